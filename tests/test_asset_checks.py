@@ -404,12 +404,16 @@ def test_a_checks_tick_missed_while_dagster_was_down_is_not_caught_up(
     origin = InProcessCodeLocationOrigin(LoadableTargetOrigin(python_file=str(location), attribute="defs",
                                                               working_directory=str(tmp_path)),
                                          location_name="pgstream")
-    now = time.time()
     with create_test_daemon_workspace_context(InProcessWorkspaceLoadTarget(origin), instance) as workspace:
         (entry,) = workspace.create_request_context().get_code_location_entries().values()
         assert entry.code_location is not None, entry.load_error
         (repo,) = entry.code_location.get_repositories().values()
         remote = repo.get_schedule(CHECKS_JOB)
+        # "started just now" is taken after the (slow) load and not in a minute's last seconds, so no tick falls
+        # due between the location's start and the scheduler's iteration
+        if (now := time.time()) % 60 > 55:
+            time.sleep(61 - now % 60)
+            now = time.time()
         # running since 5 minutes (its ticks every minute), and `dg dev` (this location) started just now
         instance.add_instigator_state(InstigatorState(
             remote.get_remote_origin(), InstigatorType.SCHEDULE, InstigatorStatus.RUNNING,
