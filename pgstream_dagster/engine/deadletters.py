@@ -29,6 +29,7 @@ STATUSES: tuple[str, ...] = ("open", "redelivered", "discarded")
 #: longest error text stored with a dead letter (the SQL functions use the same limit)
 ERROR_CHARS = 2000
 
+
 class DeadLetterError(RuntimeError):
     """The dead-letter operation was refused (unknown ids, nothing given...); nothing changed."""
 

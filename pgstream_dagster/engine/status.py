@@ -96,8 +96,7 @@ def render_status(streams: list[dict[str, Any]]) -> str:
                          f"next retry {s['failover_retry_at'] or '-'}")
             if s["failover_error"]:
                 lines.append(f"  last error: {s['failover_error']}")
-        for c in s.get("consumers", []):
-            lines.append("  " + render_consumer(c))
+        lines += ["  " + render_consumer(c) for c in s.get("consumers", [])]
         for b in s["last_batches"]:
             err = f" error: {b['error']}" if b["error"] and b["status"] != BatchStatus.DELIVERED else ""
             lines.append(f"  batch {b['id']} {b['kind']} {b['status']}: {b['event_count']} events "
