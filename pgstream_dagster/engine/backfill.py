@@ -1,22 +1,20 @@
 """Backfills: a table's rows become ``READ`` events of a subscription, delivered like every other event. The SQL
 (``sql/repeatable/10_backfills.sql``) splits the key range into partitions; a chunk reads rows ``FOR SHARE``,
 writes their events through a function of ``pgstream_writer`` existing only in that transaction and moves the
-partition's cursor with them: a resumed backfill reads no row twice (row-level security refused). Here:
-:func:`targets`, :func:`open_backfill`, :func:`run` (partitions in parallel on Spark: :func:`run_partition`),
-:func:`stop`, :func:`progress`. A run holds the backfill's session lock and a fresh owner token: no overlap.
+partition's cursor with them: a resumed backfill reads no row twice (row-level security refused). A run (its
+partitions in parallel on Spark) holds the backfill's session lock and a fresh owner token: no overlap.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -193,21 +191,16 @@ def _key_json(values: Sequence[KeyValue] | None) -> str | None:
     return None if values is None else json.dumps(list(values))
 
 
-def unfinished(conn: psycopg.Connection, target: Target) -> dict[str, Any] | None:
-    with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(
-            "select id, status, filter, from_key, to_key, run_id from pgstream.backfills "
-            "where stream_id = %s and subscription_key = %s and schema_name = %s and table_name = %s "
-            "and status = any(%s)",
-            (target.stream_id, target.key, target.schema_name, target.table_name, list(UNFINISHED))).fetchone()
-
-
 def open_backfill(conn: psycopg.Connection, target: Target, request: Request) -> tuple[int, bool]:
     """The backfill of ``target`` to run, ``(id, resumed)``: its unfinished one (same filter and range, unless
     ``restart`` cancels it) or a new one; :class:`BackfillError` (nothing changed) when the database refuses it."""
     where = (request.where or "").strip() or None
     with conn.transaction():
-        current = unfinished(conn, target)
+        current = conn.cursor(row_factory=dict_row).execute(
+            "select id, status, filter, from_key, to_key, run_id from pgstream.backfills "
+            "where stream_id = %s and subscription_key = %s and schema_name = %s and table_name = %s "
+            "and status = any(%s)",
+            (target.stream_id, target.key, target.schema_name, target.table_name, list(UNFINISHED))).fetchone()
         if current is not None:
             same = (current["filter"] == where and current["from_key"] == _maybe_list(request.from_key)
                     and current["to_key"] == _maybe_list(request.to_key))
@@ -265,11 +258,9 @@ def stop(conn: psycopg.Connection, backfill_id: int, *, cancel: bool) -> str:
 def list_backfills(conn: psycopg.Connection, stream_id: int | None = None, *,
                    backfill_id: int | None = None) -> list[Progress]:
     """Backfills (of a stream, or one), newest first."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(
-            "select * from pgstream.backfill_progress where (%s::bigint is null or stream_id = %s) "
-            "and (%s::bigint is null or id = %s) order by id desc",
-            (stream_id, stream_id, backfill_id, backfill_id)).fetchall()
+    rows = conn.cursor(row_factory=dict_row).execute(
+        "select * from pgstream.backfill_progress where (%s::bigint is null or stream_id = %s) "
+        "and (%s::bigint is null or id = %s) order by id desc", (stream_id, stream_id, backfill_id, backfill_id))
     return [Progress(int(r["id"]), Target(int(r["stream_id"]), r["subscription_key"], r["schema_name"],
                                           r["table_name"], str(r["operation"])),
                      r["status"], int(r["rows_total"] or 0), int(r["rows_read"]), int(r["events_written"]),
@@ -319,9 +310,7 @@ def run_partition(url: str, backfill_id: int, part: int, token: str, chunk_size:
     started = time.monotonic()
     conn = _connect(url)
     try:
-        limit = chunk_size
-        if pace.rows_per_sec:
-            limit = max(1, min(chunk_size, int(pace.rows_per_sec * PACED_CHUNK_SECS)))
+        limit = max(1, min(chunk_size, int(pace.rows_per_sec * PACED_CHUNK_SECS))) if pace.rows_per_sec else chunk_size
         while True:
             if pace.max_backlog and not _backlog_below(conn, pace, started, sleep):
                 result.status = "more"  # the round's time went by waiting
@@ -471,14 +460,14 @@ def run(url: str, backfill_id: int, request: Request, execute: Executor, *, run_
             done = yield from _execute(backfill_id, token, parts, request.chunk_size, pace, execute, reporter)
             for r in done:  # its last status and error, its counts summed over the rounds
                 before = results.get(r.part)
-                results[r.part] = r if before is None else dataclasses.replace(
+                results[r.part] = r if before is None else replace(
                     r, rows=before.rows + r.rows, events=before.events + r.events, chunks=before.chunks + r.chunks)
             statuses = {r.status for r in done}
             if "stopped" in statuses or "gone" in statuses:
                 break
             if "changed" in statuses:
                 _claim(session, backfill_id, token, run_id)  # the subscription changed: checked again
-        outcome = [dataclasses.replace(r, status="stopped") if r.status == "more" else r for r in results.values()]
+        outcome = [replace(r, status="stopped") if r.status == "more" else r for r in results.values()]
         failed = [r for r in outcome if r.status in ("failed", "gone")]
         error = "; ".join(f"partition {r.part}: {r.error or 'its subscription was deleted'}" for r in failed) or None
         session.execute("select pgstream.backfill_release(%s, %s::uuid, %s, %s)",

@@ -1,10 +1,7 @@
-"""What a run's Spark needs when its executors are not this process: :func:`package_zip` (the package,
-cached under ``$PGSTREAM_CACHE_DIR`` and keyed by version and content, shipped in ``spark.submit.pyFiles``
-by :func:`cluster_conf`; the executors still need :func:`executor_requirements`), :func:`cluster_conf` (a
-bounded share of a cluster master, ``spark.task.maxFailures`` 1; the user's ``spark.conf`` wins),
-:func:`executor_problems` (settings that name this machine, refused when the executors run elsewhere) and
-:func:`driver_python_problem` (an executors' Python relative to their working directory that the run's host
-cannot start).
+"""What a run's Spark needs when its executors are not this process: :func:`package_zip` (cached under
+``$PGSTREAM_CACHE_DIR`` by version and content), shipped by :func:`cluster_conf` with a bounded share of a cluster
+master and ``spark.task.maxFailures`` 1 (the user's ``spark.conf`` wins); :func:`executor_requirements`; and the
+settings the executors, or the run's host, cannot use (:func:`sink_problems`, :func:`driver_python_problem`).
 """
 
 from __future__ import annotations

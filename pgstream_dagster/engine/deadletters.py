@@ -7,10 +7,9 @@ that were delivered. One is redelivered only once every batch up to it is done (
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -29,9 +28,6 @@ STATUSES: tuple[str, ...] = ("open", "redelivered", "discarded")
 
 #: longest error text stored with a dead letter (the SQL functions use the same limit)
 ERROR_CHARS = 2000
-
-__all__ = ["DeadLetter", "DeadLetterError", "RedeliveryReport", "count_open", "discard", "get_dead_letter",
-           "list_dead_letters", "redeliver", "redelivery_plan", "set_aside"]
 
 
 class DeadLetterError(RuntimeError):
@@ -81,8 +77,7 @@ def list_dead_letters(conn: psycopg.Connection, stream_id: int | None = None, st
              " where (%(stream)s::bigint is null or d.stream_id = %(stream)s::bigint)"
              " and (%(status)s::text is null or d.status = %(status)s::text)" + _ORDER +
              " limit %(limit)s")
-    with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(query, {"stream": stream_id, "status": status, "limit": limit}).fetchall()
+    rows = conn.cursor(row_factory=dict_row).execute(query, {"stream": stream_id, "status": status, "limit": limit})
     return [_row(r) for r in rows]
 
 
@@ -112,8 +107,8 @@ select coalesce((select sum(events) from after), 0)
 
 def get_dead_letter(conn: psycopg.Connection, dead_letter_id: int) -> DeadLetter:
     """Everything about one dead letter, with how many later events of its stream were delivered (``overtaken``)."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(_SELECT.format(payloads=_PAYLOADS) + " where d.id = %s", [dead_letter_id]).fetchone()
+    row = conn.cursor(row_factory=dict_row).execute(_SELECT.format(payloads=_PAYLOADS) + " where d.id = %s",
+                                                    [dead_letter_id]).fetchone()
     if row is None:
         raise DeadLetterError(f"dead letter {dead_letter_id} does not exist")
     letter = _row(row)
@@ -122,7 +117,7 @@ def get_dead_letter(conn: psycopg.Connection, dead_letter_id: int) -> DeadLetter
                                       "ord": letter.ord or 0, "id": letter.id,
                                       "delivered": BatchStatus.DELIVERED}).fetchone()
     assert found is not None
-    return dataclasses.replace(letter, overtaken=int(found[0]))
+    return replace(letter, overtaken=int(found[0]))
 
 
 # --- operator actions (thin wrappers of the SQL functions) --------------------------------------

@@ -15,8 +15,6 @@ import psycopg
 from ..config import StreamConfig, reader_groups
 from .ledger.locks import POOL_SIZE
 
-#: connections a reader group's members hold working at once (its group delivery run's pool size)
-_CONNECTIONS_PER_POOL = POOL_SIZE
 #: a group's sensor, and its delivery run's lease and listener, its reader and its members' lease session
 _CONNECTIONS_PER_GROUP = 5
 #: housekeeping, checks, metrics and a replay or backfill beside the streams
@@ -183,13 +181,14 @@ def postgres_problems(conn: psycopg.Connection, streams: Sequence[StreamConfig],
     # the connections Dagster's storage keeps on this server (0: elsewhere or none)
     storage = (dagster.connections if dagster is not None
                and _server(conn.info.host, conn.info.port) == _server(dagster.host, dagster.port) else 0)
-    pools = sum(min(len(members), _CONNECTIONS_PER_POOL) for members in reader_groups(streams).values())
+    # a reader group's members hold at most its group delivery run's pool size working at once
+    pools = sum(min(len(members), POOL_SIZE) for members in reader_groups(streams).values())
     needed = pools + _CONNECTIONS_PER_GROUP * len(groups) + _CONNECTIONS_SHARED + storage
     if needed > usable:
         of_dagster = f", Dagster's storage on this server {storage}" if storage else ""
         out.append(f"max_connections is {limits.max_connections} ({usable} usable by the streams); {len(streams)} "
                    f"streams in {len(groups)} reader group(s) need up to {needed} (a connection per stream "
-                   f"delivering at once, {_CONNECTIONS_PER_POOL} at most per group, the groups' sensors, readers and "
+                   f"delivering at once, {POOL_SIZE} at most per group, the groups' sensors, readers and "
                    f"leases, housekeeping{of_dagster}): "
                    + how_to_set(limits.service, "max_connections", _suggest(needed + limits.reserved_connections)))
     return [line for line in out if line]

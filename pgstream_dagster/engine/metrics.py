@@ -1,10 +1,8 @@
-"""Prometheus metrics, read from the database at every scrape (``pgstream-dagster metrics``): every value
-comes from ``pgstream.metrics`` (sql/repeatable/09_metrics.sql) in one read-only statement, with
-``statement_timeout`` and ``lock_timeout`` set, so exporters agree and keep no count of their own (counters
-and histogram buckets are rows the ledger's triggers increment). When the database cannot be read the scrape
-still answers, with ``pgstream_up 0``.
+"""Prometheus metrics, read from the database at every scrape (``pgstream-dagster metrics``): every value comes from
+``pgstream.metrics`` (sql/repeatable/09_metrics.sql) in one read-only statement with ``statement_timeout`` and
+``lock_timeout`` set, so exporters agree and keep no count of their own (counters and histogram buckets are rows the
+ledger's triggers increment). When the database cannot be read the scrape still answers, with ``pgstream_up 0``.
 """
-
 from __future__ import annotations
 
 import math
@@ -149,10 +147,10 @@ class PgstreamCollector(Collector):
                 self.last_error = error
                 self.close()
                 rows = None
-        up = GaugeMetricFamily(UP, "1 if the last scrape read the database, 0 if it could not")
-        up.add_metric([], 1.0 if rows is not None else 0.0)
-        duration = GaugeMetricFamily(SCRAPE_DURATION, "How long the scrape's read of the database took")
-        duration.add_metric([], time.monotonic() - started)
+        up = GaugeMetricFamily(UP, "1 if the last scrape read the database, 0 if it could not",
+                               value=1.0 if rows is not None else 0.0)
+        duration = GaugeMetricFamily(SCRAPE_DURATION, "How long the scrape's read of the database took",
+                                     value=time.monotonic() - started)
         if rows is not None:
             yield from families(rows)
         yield up

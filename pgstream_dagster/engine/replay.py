@@ -284,12 +284,10 @@ def read_lines(database_url: str, params: Mapping[str, Any], size: int, read_byt
                 # _AHEAD chunks ahead, each of read_bytes / _AHEAD at most (one event at least)
                 while walking and len(ahead) < _AHEAD:
                     nxt = walked.get()
-                    if isinstance(nxt, Exception):
-                        failed, walking = nxt, False
-                    elif nxt is None:
-                        walking = False
-                    else:
+                    if isinstance(nxt, tuple):
                         ahead.append((pool.submit(fetch, *nxt), nxt[1]))
+                    else:  # the end of the walk, or the exception that ended it
+                        failed, walking = nxt, False
                 if not counted and ranges.total is not None:
                     counted = True
                     yield Counted(ranges.total)

@@ -1,10 +1,9 @@
-"""PySpark side of delivery: Python data sources reading ``pgstream.events`` with psycopg on the executors
-(no JDBC jar) and the two strategies, global order from the driver or parallel per routing key.
-``pgstream_batches`` reads ledger batches in commit order (``batch_id``, ``ord``), ``pgstream_events`` a
-replay's selection in id order; both in partitions of at most ``rows_per_partition`` rows, the driver pulling
-one at a time, so memory stays bounded. With ``packed`` (the ordered path) a partition holds a row per fetch
-of ``FETCH_ROWS`` events pickled together (:data:`PACKED_SCHEMA`), not a Spark row per event; payloads stay
-JSON text to the sink (:attr:`Event.payload_json`).
+"""PySpark side of delivery: Python data sources reading ``pgstream.events`` with psycopg on the executors (no JDBC jar)
+and the two strategies, global order from the driver or parallel per routing key. ``pgstream_batches`` reads ledger
+batches in commit order (``batch_id``, ``ord``), ``pgstream_events`` a replay's selection in id order; both in
+partitions of at most ``rows_per_partition`` rows, the driver pulling one at a time, so memory stays bounded. With
+``packed`` (the ordered path) a partition holds a row per fetch of ``FETCH_ROWS`` events pickled together
+(:data:`PACKED_SCHEMA`), not a Spark row per event; payloads stay JSON text to the sink (:attr:`Event.payload_json`).
 """
 
 from __future__ import annotations
@@ -74,9 +73,8 @@ PACKED_SCHEMA = "batch_id long, ord long, events int, data binary"
 
 
 def group_sized(pieces: Sequence[tuple[Span, int]], rows: int, budget: int) -> list[list[Span]]:
-    """Consecutive :func:`sized_spans` pieces in groups of at most ``rows`` ordinals and ``budget``
-    bytes in all (one piece at least), in order: one packed partition each, a Spark job reading a group, not a
-    job per small batch (bench/cpu.py)."""
+    """Consecutive :func:`sized_spans` pieces in groups of at most ``rows`` ordinals and ``budget`` bytes (one piece
+    at least), in order: a packed partition each, a Spark job reading a group, not one per batch (bench/cpu.py)."""
     groups: list[list[Span]] = []
     room_rows = room_bytes = 0
     for piece, size in pieces:
@@ -147,30 +145,30 @@ class EventsReader(DataSourceReader):
 
 
 class _Source(DataSource):
+    NAME: str
+    READER: type[BatchesReader | EventsReader]
+
+    @classmethod
+    def name(cls) -> str:
+        return cls.NAME
+
     def schema(self) -> str:
         return PACKED_SCHEMA if self.options.get("packed") == "true" else SCHEMA
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return self.READER(dict(self.options))
 
 
 class BatchesDataSource(_Source):
     """``spark.read.format("pgstream_batches")``: the events of ledger batches, in commit order."""
 
-    @classmethod
-    def name(cls) -> str:
-        return BATCHES_SOURCE
-
-    def reader(self, schema: Any) -> DataSourceReader:
-        return BatchesReader(dict(self.options))
+    NAME, READER = BATCHES_SOURCE, BatchesReader
 
 
 class EventsDataSource(_Source):
     """``spark.read.format("pgstream_events")``: a stream's events by id ranges and filters, in id order."""
 
-    @classmethod
-    def name(cls) -> str:
-        return EVENTS_SOURCE
-
-    def reader(self, schema: Any) -> DataSourceReader:
-        return EventsReader(dict(self.options))
+    NAME, READER = EVENTS_SOURCE, EventsReader
 
 
 #: the Arrow record batches a ``by_key`` task gets (after the repartition by key) hold at most this many
@@ -295,6 +293,12 @@ def ship_package(spark: SparkSession) -> None:
     _SHIPPED.add(session_id)
 
 
+def _load(spark: SparkSession, source: str, database_url: str, routing_key: str, packed: bool,
+          **options: str) -> DataFrame:
+    return spark.read.format(source).options(**{URL_OPTION: database_url, "routing_key": routing_key,
+                                                "packed": "true" if packed else "false", **options}).load()
+
+
 def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], routing_key: str,
                  rows_per_partition: int = ROWS_PER_PARTITION, packed: bool = False, *,
                  sizes: psycopg.Connection | None = None, read_bytes: int = READ_BYTES) -> Frames:
@@ -304,12 +308,8 @@ def load_batches(spark: SparkSession, database_url: str, spans: Sequence[Span], 
     register_source(spark, BatchesDataSource)
 
     def frame(groups: list[list[Span]]) -> DataFrame:
-        return (spark.read.format(BATCHES_SOURCE)
-                .option(URL_OPTION, database_url)
-                .option("partitions", json.dumps([[dataclasses.asdict(s) for s in group] for group in groups]))
-                .option("routing_key", routing_key)
-                .option("packed", "true" if packed else "false")
-                .load())
+        return _load(spark, BATCHES_SOURCE, database_url, routing_key, packed,
+                     partitions=json.dumps([[dataclasses.asdict(s) for s in group] for group in groups]))
 
     if sizes is not None:
         pieces = sized_spans(sizes, spans, rows_per_partition, read_bytes)
@@ -329,28 +329,20 @@ def load_events(spark: SparkSession, database_url: str, stream_id: int, ranges: 
     register_source(spark, EventsDataSource)
 
     def frame(selected: list[tuple[int, int]]) -> DataFrame:
-        return (spark.read.format(EVENTS_SOURCE)
-                .option(URL_OPTION, database_url)
-                .option("stream_id", str(stream_id))
-                .option("ranges", json.dumps(selected))
-                .option("from_time", from_time or "")
-                .option("to_time", to_time or "")
-                .option("keys", json.dumps(keys) if keys else "")
-                .option("routing_key", routing_key)
-                .option("packed", "true" if packed else "false")
-                .load())
+        return _load(spark, EVENTS_SOURCE, database_url, routing_key, packed, stream_id=str(stream_id),
+                     ranges=json.dumps(selected), from_time=from_time or "", to_time=to_time or "",
+                     keys=json.dumps(keys) if keys else "")
 
     return [frame([r]) for r in ranges] if packed else frame(ranges)
 
 
-def _row_events(rows: Iterator[Any]) -> Iterator[Positioned]:
-    """Events of rows in :data:`SCHEMA` (payload and metadata stay JSON text until a sink parses them)."""
-    for row in rows:
-        created = row["created_at"]
-        if created.tzinfo is None:
-            created = created.replace(tzinfo=dt.UTC)
-        yield row["batch_id"], row["ord"], event_from_text(row["id"], row["stream_id"], created, row["payload"],
-                                                           row["metadata"] or None)
+def _row_event(row: Any) -> Positioned:
+    """The event of a row in :data:`SCHEMA` (payload and metadata stay JSON text until a sink parses them)."""
+    created = row["created_at"]
+    if created.tzinfo is None:
+        created = created.replace(tzinfo=dt.UTC)
+    return row["batch_id"], row["ord"], event_from_text(row["id"], row["stream_id"], created, row["payload"],
+                                                        row["metadata"] or None)
 
 
 def _packed_events(rows: Iterator[Any]) -> Iterator[Positioned]:
@@ -363,15 +355,14 @@ def _packed_events(rows: Iterator[Any]) -> Iterator[Positioned]:
 
 def frame_events(frames: list[DataFrame], prefetch: bool = True) -> Iterator[Positioned]:
     """The events of single-partition DataFrames (packed), in order, each collected whole (``prefetch``: the next
-    meanwhile), not ``toLocalIterator``, whose partitions stay on the driver's JVM heap in PySpark 4 (an
-    OutOfMemoryError). Closed, it waits for the partition collected ahead (left to the collector, it could deadlock
-    on py4j)."""
+    meanwhile), not ``toLocalIterator``, whose partitions stay on the driver's JVM heap in PySpark 4 (OOM).
+    Closed, it waits for the partition collected ahead (left to the collector, it could deadlock on py4j)."""
     if not frames:
         return
     with executor_python_errors(frames[0].sparkSession), \
             contextlib.closing(in_turn([frame.collect for frame in frames], prefetch)) as collected:
         rows = itertools.chain.from_iterable(collected)
-        yield from _packed_events(rows) if "data" in frames[0].columns else _row_events(rows)
+        yield from _packed_events(rows) if "data" in frames[0].columns else map(_row_event, rows)
 
 
 #: what each by_key partition returns: per batch, the events it handled and those an earlier attempt confirmed
@@ -399,9 +390,7 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
     chunk recorded in ``progress`` first (not published again); yields one :data:`BY_KEY_RESULT_SCHEMA` batch."""
     import pyarrow as pa
 
-    first = next(batches, None)
-    while first is not None and first.num_rows == 0:
-        first = next(batches, None)
+    first = next((batch for batch in batches if batch.num_rows), None)
     if first is None:
         return
     handled: dict[int, int] = {}
@@ -424,7 +413,7 @@ def _publish_partition(batches: Iterator[Any], sink_config: SinkConfig, chunk_si
                         resumed[batch_id] = resumed.get(batch_id, 0) + 1
                         continue
                     last[batch_id] = row["ord"]
-                    yield from _row_events(iter([row]))
+                    yield _row_event(row)
 
         sink = stack.enter_context(build_sink(sink_config))
         deliveries = stack.enter_context(contextlib.closing(

@@ -1,10 +1,9 @@
-"""The ``pgstream`` Spark data source (docs/spark-source.md, with every option). ``readStream``
-(:class:`StreamReader`): the recorded batches' events in ledger order, offsets being positions
-``{"batch_id": B, "ord": O}`` (``0, 0``: before every batch), ``commit`` recording a registered consumer's
-position (``pgstream.consumer_commit``, with its token), which housekeeping keeps events for. ``read``
-(:class:`EventsReader`, :class:`PushdownEventsReader`): events with their delivery state, options (and with
-``pushFilters`` Spark's filters) as the query's conditions. Options ``url`` and ``consumerToken`` are redacted
-by Spark and repeated by no message. :func:`register` registers it; no Dagster (imported on the executors).
+"""The ``pgstream`` Spark data source (docs/spark-source.md: every option); no Dagster (imported on the executors).
+``readStream`` (:class:`StreamReader`): the ledger's events in order, offsets being positions ``{"batch_id": B,
+"ord": O}``, ``commit`` recording a registered consumer's position (with its token), which housekeeping keeps events
+for. ``read`` (:class:`EventsReader`): events with their delivery state, the options (and with ``pushFilters``
+Spark's filters) as the query's conditions. Options ``url`` and ``consumerToken`` are redacted by Spark and repeated
+by no message.
 """
 
 from __future__ import annotations
@@ -116,36 +115,41 @@ class SpanRead:
         return self.hi - self.lo + 1
 
 
+def _raw(options: dict[str, str], name: str) -> str | None:
+    """Option ``name`` as given (or lower-cased), None when absent or blank (every option alike)."""
+    raw = options.get(name, options.get(name.lower()))
+    return None if raw is None or not str(raw).strip() else str(raw)
+
+
 def _option(options: dict[str, str], name: str, what: str = "") -> str:
-    value = options.get(name, options.get(name.lower()))
-    if value is None or not str(value).strip():
+    value = _raw(options, name)
+    if value is None:
         raise SourceError(f"pgstream source: option {name!r} is required{what}")
-    return str(value).strip()
+    return value.strip()
 
 
 def _int_option(options: dict[str, str], name: str, default: int | None, minimum: int) -> int:
-    raw = options.get(name, options.get(name.lower()))
-    if raw is None or str(raw).strip() == "":
+    raw = _raw(options, name)
+    if raw is None:
         if default is None:
             raise SourceError(f"pgstream source: option {name!r} is required")
         return default
     try:
-        value = int(str(raw).strip())
+        value = int(raw.strip())
     except ValueError:
-        raise SourceError(f"pgstream source: option {name!r} must be an integer, got {str(raw)[:40]!r}") from None
+        raise SourceError(f"pgstream source: option {name!r} must be an integer, got {raw[:40]!r}") from None
     if value < minimum:
         raise SourceError(f"pgstream source: option {name!r} must be >= {minimum}, got {value}")
     return value
 
 
 def _bool_option(options: dict[str, str], name: str, default: bool) -> bool:
-    raw = options.get(name, options.get(name.lower()))
-    if raw is None or not str(raw).strip():  # (blank: absent, as every other option)
+    raw = _raw(options, name)
+    if raw is None:
         return default
-    text = str(raw).strip().lower()
-    if text not in ("true", "false"):
-        raise SourceError(f"pgstream source: option {name!r} must be true or false, got {str(raw)[:40]!r}")
-    return text == "true"
+    if raw.strip().lower() not in ("true", "false"):
+        raise SourceError(f"pgstream source: option {name!r} must be true or false, got {raw[:40]!r}")
+    return raw.strip().lower() == "true"
 
 
 def _url(options: dict[str, str]) -> str:
@@ -478,10 +482,8 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             events = pa.Table.from_batches(list(_copy_batches(conn, _WINDOW_QUERY, window, events_schema))
                                            if positions.num_rows else [], schema=events_schema)
         joined = positions.join(events, keys="id", join_type="inner").sort_by("position")
-        n = joined.num_rows
-        table = pa.Table.from_arrays(
-            [joined.column(name) if name in joined.column_names else pa.nulls(n, field.type)
-             for name, field in zip(schema.names, schema, strict=True)], schema=schema)
+        table = pa.Table.from_arrays([joined.column(field.name) if field.name in joined.column_names
+                                      else pa.nulls(joined.num_rows, field.type) for field in schema], schema=schema)
         yield from table.to_batches(max_chunksize=ARROW_BATCH_ROWS)
         got = {c["values"]: c["counts"] for c in pc.value_counts(table.column("batch_id")).to_pylist()}
         short = [(s, s.events - got.get(s.batch_id, 0)) for s in spans if got.get(s.batch_id, 0) != s.events]
@@ -555,20 +557,17 @@ def pushed_condition(flt: Filter) -> tuple[str, list[Any]] | None:
 
 
 def _csv(options: dict[str, str], name: str) -> list[str] | None:
-    raw = options.get(name, options.get(name.lower()))
-    if raw is None or not str(raw).strip():
-        return None
-    return [part.strip() for part in str(raw).split(",") if part.strip()]
+    raw = _raw(options, name)
+    return None if raw is None else [part.strip() for part in raw.split(",") if part.strip()]
 
 
 def _time_option(options: dict[str, str], name: str) -> dt.datetime | None:
-    raw = options.get(name, options.get(name.lower()))
-    if raw is None or not str(raw).strip():
+    if (raw := _raw(options, name)) is None:
         return None
     try:
-        at = dt.datetime.fromisoformat(str(raw).strip())
+        at = dt.datetime.fromisoformat(raw.strip())
     except ValueError:
-        raise SourceError(f"pgstream source: option {name!r} must be an ISO time, got {str(raw)[:60]!r}") from None
+        raise SourceError(f"pgstream source: option {name!r} must be an ISO time, got {raw[:60]!r}") from None
     return at if at.tzinfo is not None else at.replace(tzinfo=dt.UTC)
 
 
@@ -584,14 +583,13 @@ class EventsReader(DataSourceReader):
         self.parts = _int_option(options, "numPartitions", NUM_PARTITIONS, 1)
         #: the options' conditions, as :attr:`pushed`
         self.selected: list[tuple[str, list[Any]]] = [("e.stream_id = %s", [self.stream_id])]
-        if (from_time := _time_option(options, "fromTime")) is not None:
-            self.selected.append(("e.created_at >= %s", [from_time]))
-        if (to_time := _time_option(options, "toTime")) is not None:
-            self.selected.append(("e.created_at < %s", [to_time]))
-        if (keys := _csv(options, "subscription")) is not None:
-            self.selected.append((f"{PUSHABLE['subscription']} = any(%s)", [keys]))
-        if (ops := _csv(options, "operation")) is not None:
-            self.selected.append((f"{PUSHABLE['operation']} = any(%s)", [[op.upper() for op in ops]]))
+        ops = _csv(options, "operation")
+        for condition, value in (("e.created_at >= %s", _time_option(options, "fromTime")),
+                                 ("e.created_at < %s", _time_option(options, "toTime")),
+                                 (f"{PUSHABLE['subscription']} = any(%s)", _csv(options, "subscription")),
+                                 (f"{PUSHABLE['operation']} = any(%s)", ops and [op.upper() for op in ops])):
+            if value is not None:
+                self.selected.append((condition, [value]))
 
     def where(self) -> str:
         return " and ".join(condition for condition, _ in self.selected + self.pushed)

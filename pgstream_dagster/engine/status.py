@@ -12,24 +12,19 @@ from psycopg.rows import dict_row
 from . import dbconn, replication
 from .batches import BatchStatus
 
-_STREAMS = """
-select ss.*, st.open_run_key, st.slot_reader as declared_reader
-from pgstream.stream_status ss join pgstream.streams st on st.id = ss.id
-where %(stream_id)s::bigint is null or ss.id = %(stream_id)s::bigint
-order by ss.id
-"""
 
-_LAST_BATCHES = """
-select id, kind, status, event_count, first_event_id, last_event_id, attempts, error, created_at, delivered_at
-from pgstream.batches where stream_id = %s order by id desc limit %s
-"""
+def _dicts(conn: psycopg.Connection, query: str, params: Any = None) -> list[dict[str, Any]]:
+    return conn.cursor(row_factory=dict_row).execute(query, params).fetchall()
 
 
 def stream_status(conn: psycopg.Connection, stream_id: int | None = None, last: int = 5) -> list[dict[str, Any]]:
     """One dict per stream (all, or ``stream_id``) with its state, its registered consumers
     (:func:`consumers`) and the ``last`` batches (``last = 0``: no batches are read)."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        streams = cur.execute(_STREAMS, {"stream_id": stream_id}).fetchall()
+    streams = _dicts(conn, """
+select ss.*, st.open_run_key, st.slot_reader as declared_reader
+from pgstream.stream_status ss join pgstream.streams st on st.id = ss.id
+where %(stream_id)s::bigint is null or ss.id = %(stream_id)s::bigint
+order by ss.id""", {"stream_id": stream_id})
     readers = consumers(conn, stream_id)
     for s in streams:
         s["last_batches"] = last_batches(conn, s["id"], last) if last else []
@@ -40,9 +35,8 @@ def stream_status(conn: psycopg.Connection, stream_id: int | None = None, last: 
 def consumers(conn: psycopg.Connection, stream_id: int | None = None) -> list[dict[str, Any]]:
     """The registered consumers (``pgstream.consumer_status``) of every stream or of ``stream_id``: name,
     position, lag_events, oldest_unread, max_retention_days, overrun (past its bound: no longer kept)."""
-    with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute("select * from pgstream.consumer_status where %(s)s::bigint is null or stream_id = %(s)s "
-                           "order by name", {"s": stream_id}).fetchall()
+    return _dicts(conn, "select * from pgstream.consumer_status where %(s)s::bigint is null or stream_id = %(s)s "
+                  "order by name", {"s": stream_id})
 
 
 def render_consumer(c: dict[str, Any]) -> str:
@@ -58,8 +52,9 @@ def render_consumer(c: dict[str, Any]) -> str:
 
 
 def last_batches(conn: psycopg.Connection, stream_id: int, last: int) -> list[dict[str, Any]]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(_LAST_BATCHES, [stream_id, last]).fetchall()
+    return _dicts(conn, "select id, kind, status, event_count, first_event_id, last_event_id, attempts, error, "
+                  "created_at, delivered_at from pgstream.batches where stream_id = %s order by id desc limit %s",
+                  [stream_id, last])
 
 
 def _bytes(n: float | None) -> str:
@@ -101,8 +96,7 @@ def render_status(streams: list[dict[str, Any]]) -> str:
                          f"next retry {s['failover_retry_at'] or '-'}")
             if s["failover_error"]:
                 lines.append(f"  last error: {s['failover_error']}")
-        for c in s.get("consumers", []):
-            lines.append("  " + render_consumer(c))
+        lines += ["  " + render_consumer(c) for c in s.get("consumers", [])]
         for b in s["last_batches"]:
             err = f" error: {b['error']}" if b["error"] and b["status"] != BatchStatus.DELIVERED else ""
             lines.append(f"  batch {b['id']} {b['kind']} {b['status']}: {b['event_count']} events "
@@ -148,9 +142,8 @@ def slot_wal(conn: psycopg.Connection, slot: str) -> tuple[Any, ...] | None:
 def orphaned_slots(conn: psycopg.Connection) -> list[dict[str, Any]]:
     """``pgstream.orphaned_slots``: this database's slots named like a stream's default slot that no stream
     reads (its stream deleted or renamed its slot), each keeping its WAL (``retained_bytes``) until dropped."""
-    with conn.cursor(row_factory=dict_row) as cur:  # (retained_bytes bigint, active boolean)
-        return cur.execute("select slot_name, retained_bytes, active, wal_status from pgstream.orphaned_slots "
-                           "order by slot_name").fetchall()
+    return _dicts(conn, "select slot_name, retained_bytes, active, wal_status from pgstream.orphaned_slots "
+                  "order by slot_name")
 
 
 def render_orphaned_slots(slots: list[dict[str, Any]]) -> str:
