@@ -61,7 +61,8 @@ _DEFAULT_MESSAGE_MAX_BYTES = 1_000_000
 class KafkaSinkConfig(SinkConfigBase):
     """Produce each event payload (JSON) to ``topic``, or to ``topic_prefix`` + the value at event path
     ``topic_from`` (falling back to ``topic``), keyed by the value at event path ``key_from``, else the
-    stream id. Headers ``pgstream-event-id`` (the idempotency key), ``pgstream-stream-id``,
+    stream id. Event paths read the payload (``table``) or, with ``metadata:``, the metadata
+    (``metadata:region``). Headers ``pgstream-event-id`` (the idempotency key), ``pgstream-stream-id``,
     ``content-type`` and, when present, ``pgstream-metadata``."""
 
     type: Literal["kafka"] = "kafka"
