@@ -79,11 +79,13 @@ class RunningDemo:
 
 
 #: Dagster's daemon (1.13) empties its workspace before its sensor thread pool ends: a sensor tick submitted just
-#: before the shutdown whose thread starts after it fails at once with this error. It says nothing of the demo
-#: (the tick never reached the code location); any other error, or this one before the daemon's threads ended, does
+#: before the shutdown whose thread starts after it fails at once with this error, logged by the daemon's loop
+#: ("Sensor daemon caught an error for sensor ...") or, once the tick has begun, by the tick itself ("Sensor tick
+#: caught an error"). It says nothing of the demo (the tick never reached the code location); any other error, or
+#: this one before the daemon's threads ended, does
 _SHUTDOWN_RACE = re.compile(
     r"(?ms)^[^\n]*dagster\.daemon\.SensorDaemon - \S*ERROR\S* - "
-    r"\S*Sensor daemon caught an error for sensor pgstream_\w+\S*\n"
+    r"\S*(?:Sensor daemon caught an error for sensor pgstream_\w+|Sensor tick caught an error)\S*\n"
     r"Traceback \(most recent call last\):\n(?:  [^\n]*\n)+"
     r"dagster\._core\.errors\.DagsterCodeLocationNotFoundError: Location pgstream does not exist in workspace\n")
 
