@@ -372,3 +372,52 @@ def test_a_batchs_event_ids_are_stored_uncompressed(db_url: str, tmp_path: Path)
                         "pg_catalog.pg_column_size(event_ids) from pgstream.batches where id = %s",
                         [batch_id]).fetchone()
     assert row is not None and row[:2] == (3000, None) and row[2] >= 3000 * 8, row  # (compressed: about 10 kB)
+
+
+_BATCH_ROWS = """insert into pgstream.batches (stream_id, kind, event_ids, event_count, first_event_id, last_event_id,
+                                              min_created_at, max_created_at, end_lsn, status)
+                 select 1, %s::text, array[g::bigint], 1, g, g, now(), now(), ('0/' || to_hex(g * 64))::pg_lsn,
+                        'delivered'
+                 from generate_series(%s::int, %s::int) g"""
+
+
+def _blocks_read(conn: psycopg.Connection, call: Any) -> int:
+    """Blocks of pgstream.batches and its indexes ``call(conn)`` asked for (this transaction's statistics)."""
+    count = ("select sum(pg_catalog.pg_stat_get_xact_blocks_fetched(c.oid))::int from pg_catalog.pg_class c "
+             "where c.oid = 'pgstream.batches'::regclass or c.oid in "
+             "(select indexrelid from pg_catalog.pg_index where indrelid = 'pgstream.batches'::regclass)")
+    with conn.transaction():
+        (before,) = conn.execute(count).fetchone() or (0,)
+        call(conn)
+        (after,) = conn.execute(count).fetchone() or (0,)
+    return int(after) - int(before)
+
+
+@pytest.mark.parametrize("plans", ["force_generic_plan", "force_custom_plan"])
+def test_the_readers_lookups_of_a_streams_batches_read_a_few_pages_however_many_it_keeps(
+        db_url: str, plans: str) -> None:
+    """On every pass the reader asks where the stream's slot batches end and which recovery batches reach past a
+    position. Whatever the plan (a prepared statement's generic plan made while the table was nearly empty, as on
+    a new install, or a plan made without statistics as the table grew), each is a few index pages, not a read of
+    every batch the stream keeps (it took 10-50x longer in a 100-stream bench run; sql/036)."""
+    with psycopg.connect(db_url, autocommit=True, prepare_threshold=0) as c:
+        ensure_stream(c, 1)
+        c.execute("set plan_cache_mode = " + plans)
+        c.execute(_BATCH_ROWS, ["stream", 1, 1])
+        assert recording.last_end_lsn(c, 1) == 64  # (the generic plans are made here, on one batch)
+        assert recording.recovered_ids_since(c, 1, 0) == set()
+        c.execute(_BATCH_ROWS, ["stream", 2, 5000])
+        c.execute(_BATCH_ROWS, ["recovery", 5001, 5001])
+        lookups = {
+            "last_end_lsn": lambda conn: recording.last_end_lsn(conn, 1),
+            "recovered_ids_since": lambda conn: recording.recovered_ids_since(conn, 1, 5001 * 64),
+        }
+        assert recording.last_end_lsn(c, 1) == 5000 * 64
+        assert recording.recovered_ids_since(c, 1, 5001 * 64) == {5001}
+        read = {name: _blocks_read(c, call) for name, call in lookups.items()}
+        # the status view's last recorded position is the later of either kind's
+        assert c.execute("select last_recorded_lsn from pgstream.stream_status where id = 1").fetchone() == (
+            replication.int_to_lsn(5001 * 64),)
+        whole = c.execute("select pg_catalog.pg_relation_size('pgstream.batches') / 8192").fetchone()
+    assert whole is not None and whole[0] > 50  # what reading every batch would cost
+    assert all(blocks <= 8 for blocks in read.values()), (read, whole)

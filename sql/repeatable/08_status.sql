@@ -30,9 +30,12 @@ select s.id,
        pg_wal_lsn_diff(pg_current_wal_lsn(), r.confirmed_flush_lsn)::bigint as slot_lag_bytes,
        d.open as open_dead_letters,
        d.oldest as oldest_dead_letter_at,
-       (select b.end_lsn::text from pgstream.batches b
-         where b.stream_id = s.id and b.end_lsn is not null
-         order by b.end_lsn desc limit 1) as last_recorded_lsn
+       greatest((select b.end_lsn from pgstream.batches b
+                  where b.stream_id = s.id and b.kind = 'stream' and b.end_lsn is not null
+                  order by b.end_lsn desc limit 1),
+                (select b.end_lsn from pgstream.batches b
+                  where b.stream_id = s.id and b.kind = 'recovery' and b.end_lsn is not null
+                  order by b.end_lsn desc limit 1))::text as last_recorded_lsn
 from pgstream.streams s
 cross join lateral (
     select count(*) as batches, coalesce(sum(b.event_count), 0) as events,

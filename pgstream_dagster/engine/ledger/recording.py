@@ -25,8 +25,8 @@ def atomic(conn: psycopg.Connection) -> Iterator[None]:
 def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
     """The end of the last transaction read from the slot and recorded, not a recovery's (which may have missed
     one committed before its snapshot: that one's batch drops by id what recovery holds)."""
-    row = conn.execute("select max(end_lsn)::text from pgstream.batches where stream_id = %s and kind = 'stream'",
-                       [stream_id]).fetchone()
+    row = conn.execute("select b.end_lsn::text from pgstream.batches b where b.stream_id = %s and b.kind = 'stream' "
+                       "and b.end_lsn is not null order by b.end_lsn desc limit 1", [stream_id]).fetchone()
     return replication.lsn_to_int(row[0]) if row and row[0] else None
 
 
