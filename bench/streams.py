@@ -226,6 +226,23 @@ def _first_batches(url: str, since: float) -> dict[str, Any]:
     return out
 
 
+def _stages(url: str, since: float) -> dict[str, list[float]]:
+    """Where the window's latency went, per batch from its ledger row (ms from its last commit, p50 and p99): to
+    the recording transaction's start (``recorded``: the WAL sender, the reader, its batching rule), to the hand-over
+    to a run (``launched``), to the run marking it delivered after the sink confirmed it (``delivered``)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "select extract(epoch from created_at - last_commit_at), extract(epoch from launched_at - last_commit_at), "
+            "extract(epoch from delivered_at - last_commit_at) from pgstream.batches "
+            "where kind = 'stream' and last_commit_at >= to_timestamp(%s)", [since]).fetchall()
+    out: dict[str, list[float]] = {}
+    for i, what in enumerate(("recorded", "launched", "delivered")):
+        values = sorted(float(r[i]) for r in rows if r[i] is not None)
+        if values:
+            out[what] = [round(1000 * _pct(values, 0.5), 1), round(1000 * _pct(values, 0.99), 1)]
+    return out
+
+
 def _settled(dagster_url: str, since: float, timeout: float) -> float:
     """Wait until the location's runs other than the group delivery runs (the subscriptions run that its sensor
     requests at the start) have all ended, at least one having run; seconds after ``since`` (the location
@@ -514,6 +531,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         result.update(events=len(committed), missing=len(committed) - len(lat), p50=_pct(lat, 0.5),
                       p99=_pct(lat, 0.99), max=max(lat, default=0.0))
         result["cpu_per_event_ms"] = 1000 * result["cpu_secs"] / max(1, len(lat))
+        result["stages_ms"] = _stages(url, start)
         if args.idle:  # what the streams cost with nothing to deliver, once every event was delivered
             time.sleep(args.idle_after)
             dev_pids, pg_pids = list(descendants(dev.proc.pid)), _postgres_pids(pg)
@@ -634,7 +652,9 @@ def main() -> None:
             f"runs ended); p50 {r['p50'] * 1000:.0f} ms, p99 {r['p99'] * 1000:.0f} ms, "
             f"max {r.get('max', 0) * 1000:.0f} ms "
             f"over {r['events']} events ({r['missing']} missing; p99 of each 5 s of commits: "
-            f"{' '.join(f'{x:.2f}' for x in r.get('p99_by_5s', []))} s); {r['processes']} processes ("
+            f"{' '.join(f'{x:.2f}' for x in r.get('p99_by_5s', []))} s; per batch p50/p99 ms from its last commit: "
+            f"{', '.join(f'{k} {v[0]:g}/{v[1]:g}' for k, v in r.get('stages_ms', {}).items())}); "
+            f"{r['processes']} processes ("
             f"{', '.join(f'{k} {v}' for k, v in r.get('processes_by_role', {}).items())}), "
             f"RSS {r['rss_bytes'] / GiB:.2f} GiB; CPU {r['cpu_per_event_ms']:.1f} ms per event{ratio}; "
             f"{r['slots']} slots, {r['wal_senders']} WAL senders, {r.get('connections', '?')} connections at the end "
