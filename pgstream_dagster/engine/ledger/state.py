@@ -161,7 +161,8 @@ def next_assigned(conn: psycopg.Connection, stream_id: int, run_key: str, after_
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(
             f"""with mine as (select {_BATCH_COLUMNS} {_BATCH_FROM}
-                              where b.run_key = %(run)s and b.id > %(after)s and b.status = %(launched)s)
+                              where b.stream_id = %(stream)s and pgstream.batch_is_open(b.status)
+                                and b.run_key = %(run)s and b.id > %(after)s and b.status = %(launched)s)
                 select m.*, r.replay, r.earlier
                 from (select pgstream.lock_holder(%(replay)s, %(stream)s) is not null as replay,
                              (select min(e.id) from pgstream.batches e
@@ -270,10 +271,11 @@ def slot_reader(conn: psycopg.Connection, stream_id: int, *, lock: bool = False)
     return str(row[0]) if row and row[0] is not None else SENSOR
 
 
-def release(conn: psycopg.Connection, run_key: str, keep: int) -> None:
+def release(conn: psycopg.Connection, stream_id: int, run_key: str, keep: int) -> None:
     """launched -> pending: the batches of the run ``run_key`` other than ``keep`` wait for another run."""
-    conn.execute("update pgstream.batches set status = %s, run_key = null where run_key = %s and status = %s "
-                 "and id <> %s", [BatchStatus.PENDING, run_key, BatchStatus.LAUNCHED, keep])
+    conn.execute("update pgstream.batches set status = %s, run_key = null where stream_id = %s "
+                 "and pgstream.batch_is_open(status) and run_key = %s and status = %s and id <> %s",
+                 [BatchStatus.PENDING, stream_id, run_key, BatchStatus.LAUNCHED, keep])
 
 
 def mark_confirmed(conn: psycopg.Connection, batch_id: int, count: int) -> None:
@@ -361,8 +363,9 @@ def _close_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
     with conn.transaction():
         conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
         # a statement after the lock: sees every assignment committed before it was granted
-        row = conn.execute("select exists (select 1 from pgstream.batches where run_key = %s and status = %s)",
-                           [run_key, BatchStatus.LAUNCHED]).fetchone()
+        row = conn.execute("select exists (select 1 from pgstream.batches where stream_id = %s "
+                           "and pgstream.batch_is_open(status) and run_key = %s and status = %s)",
+                           [stream_id, run_key, BatchStatus.LAUNCHED]).fetchone()
         if row and row[0]:
             return False
         clear_open_run(conn, stream_id, run_key)
@@ -374,10 +377,10 @@ def give_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> list[in
     with conn.transaction():
         conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
         ids = [int(r[0]) for r in conn.execute(
-            "select id from pgstream.batches where run_key = %s and status = %s order by id",
-            [run_key, BatchStatus.LAUNCHED]).fetchall()]
+            "select id from pgstream.batches where stream_id = %s and pgstream.batch_is_open(status) "
+            "and run_key = %s and status = %s order by id", [stream_id, run_key, BatchStatus.LAUNCHED]).fetchall()]
         clear_open_run(conn, stream_id, run_key)
-        release(conn, run_key, keep=0)
+        release(conn, stream_id, run_key, keep=0)
     return ids
 
 
@@ -386,7 +389,7 @@ def fail_run(conn: psycopg.Connection, head: Batch, run_key: str, error: str, re
     failover with it as its checkpoint (or stays in it: one more attempt)."""
     with conn.transaction():
         clear_open_run(conn, head.stream_id, run_key)
-        release(conn, run_key, keep=head.id)
+        release(conn, head.stream_id, run_key, keep=head.id)
         conn.execute("update pgstream.batches set status = %s, error = %s, next_attempt_at = %s "
                      "where id = %s and pgstream.batch_is_open(status)", [BatchStatus.FAILED, error[:2000], retry_at,
                                                                           head.id])
@@ -397,7 +400,7 @@ def requeue_run(conn: psycopg.Connection, head: Batch, run_key: str, *, checkpoi
     """:class:`~..batches.Requeue` the run ``run_key`` (interrupted by a shutdown)."""
     with conn.transaction():
         clear_open_run(conn, head.stream_id, run_key)
-        release(conn, run_key, keep=head.id if checkpoint else 0)
+        release(conn, head.stream_id, run_key, keep=head.id if checkpoint else 0)
         if checkpoint:
             conn.execute("update pgstream.batches set status = %s, next_attempt_at = now() "
                          "where id = %s and pgstream.batch_is_open(status)", [BatchStatus.FAILED, head.id])
