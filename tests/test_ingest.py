@@ -19,6 +19,7 @@ from pgstream_dagster.engine import handoff, ingest, replication
 from pgstream_dagster.engine.delivery.sources import TableSource
 from pgstream_dagster.engine.ingest import recorder, source
 from pgstream_dagster.engine.ingest.recorder import Batching, Pending
+from pgstream_dagster.engine.ledger import deadletters as deadletters_ledger
 from pgstream_dagster.engine.ledger import groups, recording, streams
 from pgstream_dagster.engine.ledger import state as ledger_state
 from pgstream_dagster.engine.publish import Span, TooLarge
@@ -433,4 +434,45 @@ def test_the_ledger_lookups_of_every_event_read_a_few_pages_however_many_batches
             replication.int_to_lsn(20_001 * 64),)
         whole = c.execute("select pg_catalog.pg_relation_size('pgstream.batches') / 8192").fetchone()
     assert whole is not None and whole[0] > 200  # what reading every batch would cost
+    assert all(blocks <= 8 for blocks in read.values()), (read, whole)
+
+
+def _dead_letter_blocks(conn: psycopg.Connection, call: Any) -> int:
+    """Blocks of pgstream.dead_letters and its indexes ``call(conn)`` asked for (this transaction's statistics)."""
+    count = ("select sum(pg_catalog.pg_stat_get_xact_blocks_fetched(c.oid))::int from pg_catalog.pg_class c "
+             "where c.oid = 'pgstream.dead_letters'::regclass or c.oid in "
+             "(select indexrelid from pg_catalog.pg_index where indrelid = 'pgstream.dead_letters'::regclass)")
+    with conn.transaction():
+        (before,) = conn.execute(count).fetchone() or (0,)
+        call(conn)
+        (after,) = conn.execute(count).fetchone() or (0,)
+    return int(after) - int(before)
+
+
+def test_a_runs_look_at_its_batches_dead_letters_reads_a_few_pages_however_many_the_stream_has(
+        db_url: str) -> None:
+    """A member run asks, for every batch, which of its events have a dead letter (skipped) and, after each round,
+    how many: with the plan Postgres settles on after a few calls while the stream had none (psycopg prepares a
+    statement from its fifth call), a stream whose sink rejected 20,000 events read all of its dead letters on
+    every batch. Planned with the batch ids on a (stream_id, batch_id) index, it reads a few pages (sql/036)."""
+    with psycopg.connect(db_url, autocommit=True, prepare_threshold=0) as c:
+        ensure_stream(c, 1)
+        _batches_of(c, 1, "stream", 1, 2, "launched", "run-1")
+        ids = [b.id for b in ledger_state.batches_between(c, 1, 0, 10**9)]
+        lookups = {
+            "dead_letter_positions": lambda conn: deadletters_ledger.dead_letter_positions(conn, 1, ids),
+            "round_outcome": lambda conn: ledger_state.round_outcome(conn, 1, ids),
+        }
+        for _ in range(8):  # (the plan settles here, on no dead letter)
+            for call in lookups.values():
+                call(c)
+        c.execute("insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, error) "
+                  "select 1, g, 'deliver', g + 1000, 0, 'rejected' from generate_series(1, 20000) g")
+        c.execute("insert into pgstream.dead_letters (stream_id, event_id, stage, batch_id, ord, error) "
+                  "values (1, 0, 'deliver', %s, 0, 'rejected')", [ids[1]])
+        assert deadletters_ledger.dead_letter_positions(c, 1, ids) == frozenset({(ids[1], 0)})
+        assert ledger_state.round_outcome(c, 1, ids) == (ids, 1)
+        read = {name: _dead_letter_blocks(c, call) for name, call in lookups.items()}
+        whole = c.execute("select pg_catalog.pg_relation_size('pgstream.dead_letters') / 8192").fetchone()
+    assert whole is not None and whole[0] > 100  # what reading every dead letter would cost
     assert all(blocks <= 8 for blocks in read.values()), (read, whole)

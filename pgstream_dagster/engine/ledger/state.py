@@ -127,7 +127,8 @@ def round_outcome(conn: psycopg.Connection, stream_id: int, batch_ids: list[int]
         "select array(select id from pgstream.batches where id = any(%(ids)s) and status <> %(delivered)s "
         "order by id), (select count(*) from pgstream.dead_letters "
         "where stream_id = %(stream)s and batch_id = any(%(ids)s))",
-        {"ids": batch_ids, "delivered": BatchStatus.DELIVERED, "stream": stream_id}).fetchone()
+        {"ids": batch_ids, "delivered": BatchStatus.DELIVERED, "stream": stream_id},
+        prepare=False).fetchone()  # (planned with the ids: see deadletters.dead_letter_positions)
     assert row is not None
     return [int(i) for i in row[0]], int(row[1])
 
