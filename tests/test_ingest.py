@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -387,7 +388,7 @@ def _batches_of(conn: psycopg.Connection, stream_id: int, kind: str, first: int,
     conn.execute(_BATCH_ROWS, [stream_id, kind, status, run_key, first, last])
 
 
-def _blocks_read(conn: psycopg.Connection, call: Any) -> int:
+def _blocks_read(conn: psycopg.Connection, call: Callable[[psycopg.Connection], object]) -> int:
     """Blocks of pgstream.batches and its indexes ``call(conn)`` asked for (this transaction's statistics)."""
     count = ("select sum(pg_catalog.pg_stat_get_xact_blocks_fetched(c.oid))::int from pg_catalog.pg_class c "
              "where c.oid = 'pgstream.batches'::regclass or c.oid in "
@@ -413,7 +414,7 @@ def test_the_ledger_lookups_of_every_event_read_a_few_pages_however_many_batches
         c.execute("set plan_cache_mode = " + plans)
         _batches_of(c, 1, "stream", 1, 1, "launched", "run-1")
         (head,) = ledger_state.batches_between(c, 1, 0, 10**9)
-        lookups = {
+        lookups: dict[str, Callable[[psycopg.Connection], object]] = {
             "last_end_lsn": lambda conn: recording.last_end_lsn(conn, 1),
             "recovered_ids_since": lambda conn: recording.recovered_ids_since(conn, 1, 20_001 * 64),
             "next_assigned": lambda conn: ledger_state.next_assigned(conn, 1, "run-1", 0),
@@ -437,7 +438,7 @@ def test_the_ledger_lookups_of_every_event_read_a_few_pages_however_many_batches
     assert all(blocks <= 8 for blocks in read.values()), (read, whole)
 
 
-def _dead_letter_blocks(conn: psycopg.Connection, call: Any) -> int:
+def _dead_letter_blocks(conn: psycopg.Connection, call: Callable[[psycopg.Connection], object]) -> int:
     """Blocks of pgstream.dead_letters and its indexes ``call(conn)`` asked for (this transaction's statistics)."""
     count = ("select sum(pg_catalog.pg_stat_get_xact_blocks_fetched(c.oid))::int from pg_catalog.pg_class c "
              "where c.oid = 'pgstream.dead_letters'::regclass or c.oid in "
@@ -459,7 +460,7 @@ def test_a_runs_look_at_its_batches_dead_letters_reads_a_few_pages_however_many_
         ensure_stream(c, 1)
         _batches_of(c, 1, "stream", 1, 2, "launched", "run-1")
         ids = [b.id for b in ledger_state.batches_between(c, 1, 0, 10**9)]
-        lookups = {
+        lookups: dict[str, Callable[[psycopg.Connection], object]] = {
             "dead_letter_positions": lambda conn: deadletters_ledger.dead_letter_positions(conn, 1, ids),
             "round_outcome": lambda conn: ledger_state.round_outcome(conn, 1, ids),
         }
