@@ -61,7 +61,9 @@ revoke all on function pgstream._observe(bigint, text, float8) from public;
 -- until the batch's transactions are visible to new snapshots first (engine/ledger wait_until_visible;
 -- decoding hands a commit out before it leaves the proc array).
 --
--- Two ways to find them, by how the batch's ids lie:
+-- Three ways to find them, by how the batch's ids lie:
+-- * one event (a quiet stream's batch): one index probe, one upsert (0.1 ms a batch against
+--   0.4 by the range below, whose sorts and hash cost more than the read of one row);
 -- * dense (the usual case: the ids of a batch come from one sequence in commit order, so they span little
 --   more than the batch): one scan of the id range on the primary key (id, created_at; the created_at
 --   range prunes the partitions), the batch's ids hashed. At most 4 rows of the range per event of the
@@ -79,7 +81,23 @@ as $$
 declare
     v_lo bigint;
     v_hi bigint;
+    v_tg text;
 begin
+    if p_count = 1 and pg_catalog.cardinality(p_ids) = 1 then
+        select ev.payload ->> 'tg_name' into v_tg
+        from pgstream.events ev
+        where ev.id = p_ids[pg_catalog.array_lower(p_ids, 1)] and ev.created_at >= p_from and ev.created_at <= p_to
+          and ev.stream_id = p_stream_id;
+        if found then
+            insert into pgstream.stream_counters as c (stream_id, name, label, value)
+            values (p_stream_id, 'events_written',
+                    case when exists (select 1 from pgstream.subscriptions s
+                                      where s.stream_id = p_stream_id and s.key = v_tg) then v_tg
+                         else '' end, 1)
+            on conflict (stream_id, name, label) do update set value = c.value + excluded.value;
+        end if;
+        return;
+    end if;
     select min(x), max(x) into v_lo, v_hi from pg_catalog.unnest(p_ids) as x;
     if v_lo is null then
         return;
