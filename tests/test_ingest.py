@@ -388,15 +388,16 @@ def _batches_of(conn: psycopg.Connection, stream_id: int, kind: str, first: int,
     conn.execute(_BATCH_ROWS, [stream_id, kind, status, run_key, first, last])
 
 
-def _blocks_read(conn: psycopg.Connection, call: Callable[[psycopg.Connection], object]) -> int:
-    """Blocks of pgstream.batches and its indexes ``call(conn)`` asked for (this transaction's statistics)."""
+def _blocks_read(conn: psycopg.Connection, call: Callable[[psycopg.Connection], object],
+                 table: str = "pgstream.batches") -> int:
+    """Blocks of ``table`` and its indexes ``call(conn)`` asked for (this transaction's statistics)."""
     count = ("select sum(pg_catalog.pg_stat_get_xact_blocks_fetched(c.oid))::int from pg_catalog.pg_class c "
-             "where c.oid = 'pgstream.batches'::regclass or c.oid in "
-             "(select indexrelid from pg_catalog.pg_index where indrelid = 'pgstream.batches'::regclass)")
+             "where c.oid = %(t)s::regclass or c.oid in "
+             "(select indexrelid from pg_catalog.pg_index where indrelid = %(t)s::regclass)")
     with conn.transaction():
-        (before,) = conn.execute(count).fetchone() or (0,)
+        (before,) = conn.execute(count, {"t": table}).fetchone() or (0,)
         call(conn)
-        (after,) = conn.execute(count).fetchone() or (0,)
+        (after,) = conn.execute(count, {"t": table}).fetchone() or (0,)
     return int(after) - int(before)
 
 
@@ -438,18 +439,6 @@ def test_the_ledger_lookups_of_every_event_read_a_few_pages_however_many_batches
     assert all(blocks <= 8 for blocks in read.values()), (read, whole)
 
 
-def _dead_letter_blocks(conn: psycopg.Connection, call: Callable[[psycopg.Connection], object]) -> int:
-    """Blocks of pgstream.dead_letters and its indexes ``call(conn)`` asked for (this transaction's statistics)."""
-    count = ("select sum(pg_catalog.pg_stat_get_xact_blocks_fetched(c.oid))::int from pg_catalog.pg_class c "
-             "where c.oid = 'pgstream.dead_letters'::regclass or c.oid in "
-             "(select indexrelid from pg_catalog.pg_index where indrelid = 'pgstream.dead_letters'::regclass)")
-    with conn.transaction():
-        (before,) = conn.execute(count).fetchone() or (0,)
-        call(conn)
-        (after,) = conn.execute(count).fetchone() or (0,)
-    return int(after) - int(before)
-
-
 def test_a_runs_look_at_its_batches_dead_letters_reads_a_few_pages_however_many_the_stream_has(
         db_url: str) -> None:
     """A member run asks, for every batch, which of its events have a dead letter (skipped) and, after each round,
@@ -477,7 +466,7 @@ def test_a_runs_look_at_its_batches_dead_letters_reads_a_few_pages_however_many_
                   "values (1, 0, 'deliver', %s, 0, 'rejected')", [ids[1]])
         assert deadletters_ledger.dead_letter_positions(c, 1, ids) == frozenset({(ids[1], 0)})
         assert ledger_state.round_outcome(c, 1, ids) == (ids, 1)
-        read = {name: _dead_letter_blocks(c, call) for name, call in lookups.items()}
+        read = {name: _blocks_read(c, call, "pgstream.dead_letters") for name, call in lookups.items()}
         whole = c.execute("select pg_catalog.pg_relation_size('pgstream.dead_letters') / 8192").fetchone()
     assert whole is not None and whole[0] > 100  # what reading every dead letter would cost
     assert all(blocks <= 8 for blocks in read.values()), (read, whole)
