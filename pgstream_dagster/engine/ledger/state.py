@@ -139,12 +139,16 @@ def earlier_open(conn: psycopg.Connection, stream_id: int, batch_id: int) -> int
     return int(row[0]) if row and row[0] is not None else None
 
 
-def run_batch_ids(conn: psycopg.Connection, head: Batch) -> list[int]:
-    """The batches assigned to the run of ``head`` (a launched batch), in order."""
+def _launched_ids(conn: psycopg.Connection, stream_id: int, run_key: str | None) -> list[int]:
+    """The batches assigned to run ``run_key`` of the stream and not delivered yet, in order."""
     return [int(r[0]) for r in conn.execute(
         "select id from pgstream.batches where stream_id = %s and pgstream.batch_is_open(status) "
-        "and run_key = %s and status = %s order by id",
-        [head.stream_id, head.run_key, BatchStatus.LAUNCHED]).fetchall()] or [head.id]
+        "and run_key = %s and status = %s order by id", [stream_id, run_key, BatchStatus.LAUNCHED]).fetchall()]
+
+
+def run_batch_ids(conn: psycopg.Connection, head: Batch) -> list[int]:
+    """The batches assigned to the run of ``head`` (a launched batch), in order."""
+    return _launched_ids(conn, head.stream_id, head.run_key) or [head.id]
 
 
 @dataclass(frozen=True)
@@ -377,9 +381,7 @@ def give_back(conn: psycopg.Connection, stream_id: int, run_key: str) -> list[in
     """The run ``run_key`` ends without delivering what it holds (paused, a shutdown): its batches back to pending."""
     with conn.transaction():
         conn.execute("select 1 from pgstream.streams where id = %s for no key update", [stream_id])
-        ids = [int(r[0]) for r in conn.execute(
-            "select id from pgstream.batches where stream_id = %s and pgstream.batch_is_open(status) "
-            "and run_key = %s and status = %s order by id", [stream_id, run_key, BatchStatus.LAUNCHED]).fetchall()]
+        ids = _launched_ids(conn, stream_id, run_key)
         clear_open_run(conn, stream_id, run_key)
         release(conn, stream_id, run_key, keep=0)
     return ids
