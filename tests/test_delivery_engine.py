@@ -329,7 +329,8 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
                                     claim=lambda wanted: [(sid, key) for sid, key in wanted if sid != elsewhere],
                                     ended=lambda stream_id, _key, error: ended.__setitem__(stream_id, error),
                                     stop_check=lambda: "the test ends" if stopping.is_set() else None)
-    delivery = group_delivery.GroupDelivery("hosted", streams, db_url, db_url, host, max_run_secs=300)
+    delivery = group_delivery.GroupDelivery("hosted", streams, db_url, db_url, host, max_run_secs=300,
+                                              run_grace_secs=120)
     outcome: list[str] = []
 
     def out(i: int) -> list[int]:
@@ -378,6 +379,110 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
     assert delivery_run.WOKEN_POLL_SECS > 1.5
 
 
+def test_a_successor_waits_for_the_groups_lease_and_takes_over_as_the_run_it_succeeds_ends(
+        db_url: str, tmp_path: Path) -> None:
+    """A group delivery run's successor (requested before its ``max_run_secs``) starts while it delivers: it waits
+    for the group's lease, its wait a lock of its session (the sensor tells a live wait from a dead run: killed
+    while waiting, it is seen lost at once); the run ends (asked to, as the sensor does once the successor waits)
+    and the successor takes the lease within a poll and hosts the members' next runs: every event once, in commit
+    order. One whose wait outlasts its bound (its lead and ``run_grace_secs``) fails in one line, leaving no wait
+    behind; one asked to end while it waits ends without the lease."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    ids = [1, 2]
+    path = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "reader": "relay", "batch": {"max_size": 50, "max_fill_secs": 0},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
+    streams = list(load_config(path).streams)
+    logs = Log()
+    asked: set[str] = set()  # the runs asked to end
+    outcome: dict[str, Any] = {}
+
+    def start(run_id: str, max_run_secs: float = 300, grace: float = 120) -> threading.Thread:
+        host = group_delivery.GroupHost(run_id, logs, lambda stream, member: Host(member, logs),
+                                        claim=lambda wanted: wanted,
+                                        stop_check=lambda: f"{run_id} asked to end" if run_id in asked else None)
+        delivery = group_delivery.GroupDelivery("relay", streams, db_url, db_url, host, max_run_secs=max_run_secs,
+                                                run_grace_secs=grace)
+
+        def run() -> None:
+            try:
+                outcome[run_id] = delivery.run()
+            except Exception as exc:  # (the test looks at it)
+                outcome[run_id] = exc
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    def out(i: int) -> list[int]:
+        sink = tmp_path / f"out{i}.jsonl"
+        return [e["id"] for e in read_jsonl(sink)] if sink.exists() else []
+
+    def lease(c: psycopg.Connection, run_id: str) -> locks.LeaseState:
+        return locks.group_lease_state(c, "relay", run_id)
+
+    def runs_of(c: psycopg.Connection) -> set[str]:
+        """The run keys that delivered batches."""
+        return {r[0] for r in c.execute("select run_key from pgstream.batches where status = 'delivered'")}
+
+    def until(c: psycopg.Connection, done: Callable[[], bool], timeout: float = 10) -> float:
+        began = time.monotonic()
+        while not done():
+            assert time.monotonic() - began < timeout, (outcome, logs.lines[-5:])
+            ingest.consume_group(c, "relay", streams, 0.05)
+        return time.monotonic() - began
+
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, "relay", streams, 0)
+        for i in ids:  # the members' runs, as their sensor decides them
+            assert state.open_warm_run(c, i, f"first-{i}")
+        first = start("grp-1")
+        until(c, lambda: lease(c, "grp-1") is locks.LeaseState.HELD)
+        successor = start("grp-2")
+        until(c, lambda: lease(c, "grp-2") is locks.LeaseState.WAITING)
+        for i in ids:  # delivered by the first run while its successor waits
+            insert_events(db_url, i, 10)
+        until(c, lambda: all(len(out(i)) == 10 for i in ids))
+        assert lease(c, "grp-2") is locks.LeaseState.WAITING and successor.is_alive()
+        assert runs_of(c) == {"first-1", "first-2"}
+
+        asked.add("grp-1")  # the sensor asks the run to end once its successor waits
+        took = until(c, lambda: lease(c, "grp-2") is locks.LeaseState.HELD)
+        first.join(10)
+        assert outcome["grp-1"] == "grp-1 asked to end" and took < 5
+        for i in ids:
+            assert state.open_warm_run(c, i, f"second-{i}")
+            insert_events(db_url, i, 10, start=100)
+        until(c, lambda: all(len(out(i)) == 20 for i in ids))
+        assert runs_of(c) == {"first-1", "first-2", "second-1", "second-2"}
+
+        # a successor whose wait outlasts its bound (lead 1 s and run_grace_secs 1 s): one line, no wait left
+        began = time.monotonic()
+        start("grp-3", max_run_secs=4, grace=1).join(10)
+        assert isinstance(outcome["grp-3"], locks.LeaseTaken) and 1.5 < time.monotonic() - began < 6
+        assert "(grp-2) hosts the deliveries of reader group relay" in str(outcome["grp-3"])
+        assert lease(c, "grp-3") is locks.LeaseState.NOT_TAKEN
+        # one asked to end while it waits: it ends without the lease
+        waiting = start("grp-4")
+        until(c, lambda: lease(c, "grp-4") is locks.LeaseState.WAITING)
+        asked.add("grp-4")
+        waiting.join(10)
+        assert outcome["grp-4"] == "grp-4 asked to end" and lease(c, "grp-2") is locks.LeaseState.HELD
+        # one killed while it waits (its session ended, as its process's would): lost at once
+        start("grp-5")
+        until(c, lambda: lease(c, "grp-5") is locks.LeaseState.WAITING)
+        c.execute("select pg_terminate_backend(pid) from pgstream.locks where holder = 'grp-5'")
+        until(c, lambda: lease(c, "grp-5") is locks.LeaseState.LOST)
+
+        asked.add("grp-2")
+        successor.join(30)
+        assert outcome["grp-2"] == "grp-2 asked to end"
+        for i in ids:
+            sent = [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id", [i])]
+            assert out(i) == sent, i  # each once, in commit order
+
+
 def test_a_groups_members_share_one_lease_session_and_one_whose_session_ended_publishes_nothing(
         db_url: str, tmp_path: Path) -> None:
     """A group delivery run's members hold their leases on one session of its own and take a pooled connection
@@ -400,7 +505,8 @@ def test_a_groups_members_share_one_lease_session_and_one_whose_session_ended_pu
                                     claim=lambda wanted: wanted,
                                     ended=lambda stream_id, _key, error: ended.__setitem__(stream_id, error),
                                     stop_check=lambda: "the test ends" if stopping.is_set() else None)
-    delivery = group_delivery.GroupDelivery("shared", streams, db_url, db_url, host, max_run_secs=300)
+    delivery = group_delivery.GroupDelivery("shared", streams, db_url, db_url, host, max_run_secs=300,
+                                              run_grace_secs=120)
 
     def out(i: int) -> list[int]:
         sink = tmp_path / f"out{i}.jsonl"

@@ -324,6 +324,99 @@ def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_loc
     assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"
 
 
+def test_a_group_run_is_taken_over_by_a_successor_started_before_its_max_run_secs(
+        databases: Databases, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through `dg dev`: three streams of group ``relay`` with max_run_secs 30 (the hand-over's lead: 15 s), an
+    event on each every 0.1 s for 35 s. The group's sensor requests the group run's successor 15 s before its
+    end; the successor starts while the run delivers and waits for the group's lease; once it waits, the run is
+    asked to end (tag pgstream/stop), ends gracefully, and the successor takes over: the run ended after its
+    successor had started (no member waits for a process to start). Every event reaches its file once,
+    in commit order; no run failed."""
+    app = databases.app_url
+    migrate(app)
+    ids = [1, 2, 3]
+    config_path = write_config(tmp_path / "pgstream.yaml", app, [
+        {"id": i, "reader": "relay", "batch": {"max_size": 100, "max_fill_secs": 0.05},
+         "sensor": {"interval_secs": 1, "tick_budget_secs": 2},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 30}},
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
+    print("\n" + "\n".join(init(config_path)))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((repo_root() / "dagster.yaml").read_text())
+    env = {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
+           "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
+
+    def delivered(i: int) -> list[int]:
+        path = tmp_path / f"out{i}.jsonl"
+        return [e["id"] for e in read_jsonl(path)] if path.exists() else []
+
+    committed: dict[int, float] = {}  # event id: when its commit returned
+    seen: dict[int, float] = {}  # event id: when the test first saw it in its file
+    stop = threading.Event()
+
+    def write() -> None:
+        with psycopg.connect(app, autocommit=True) as c:
+            while not stop.wait(0.1):
+                for i in ids:
+                    (event_id,) = c.execute("insert into pgstream.events (payload, stream_id) values ('{}', %s) "
+                                            "returning id", [i]).fetchone()  # type: ignore[misc]
+                    committed[event_id] = time.monotonic()
+
+    def look() -> None:
+        now = time.monotonic()
+        for i in ids:
+            for event_id in delivered(i):
+                seen.setdefault(event_id, now)
+
+    dev = start_dagster_dev(tmp_path, env)
+    writer = threading.Thread(target=write, daemon=True)
+    try:
+        with dg.DagsterInstance.get() as instance:
+            def group_runs() -> list[dg.DagsterRun]:
+                return list(instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB)))
+
+            def state() -> str:
+                return (f"delivered/sent {[(len(delivered(i)), len(_sent(app, i))) for i in ids]}; group runs "
+                        f"{[(r.run_id[:8], r.status.value, r.tags.get('pgstream/stop')) for r in group_runs()]}")
+
+            insert_events(app, 1, 1)
+            wait_for("the group run", lambda: len(delivered(1)) == 1, READY_TIMEOUT_SECS, dev, state)
+            writer.start()
+            began = time.monotonic()
+            while time.monotonic() - began < 35:
+                look()
+                time.sleep(0.05)
+            stop.set()
+            writer.join(10)
+            wait_for("every event", lambda: all(len(delivered(i)) >= len(_sent(app, i)) for i in ids), 60, dev,
+                     state)
+            look()
+            for i in ids:
+                assert delivered(i) == _sent(app, i), i  # once each, in commit order
+            runs = group_runs()  # newest first
+            ended = [r for r in runs if r.status != dg.DagsterRunStatus.STARTED]
+            assert len(ended) >= 1 and all(r.status == dg.DagsterRunStatus.SUCCESS for r in ended), state()
+            records = {r.dagster_run.run_id: r for r in instance.get_run_records(
+                dg.RunsFilter(job_name=GROUP_DELIVERY_JOB))}
+            for successor, run in itertools.pairwise(runs):
+                if run.status == dg.DagsterRunStatus.STARTED:
+                    continue
+                assert run.tags["pgstream/stop"].startswith(f"its successor {successor.run_id} is up"), state()
+                started, end = records[successor.run_id].start_time, records[run.run_id].end_time
+                assert started is not None and end is not None and started < end, state()
+            latencies = sorted(seen[e] - committed[e] for e in committed if e in seen)
+            print(json.dumps({"group_runs": len(runs), "events": len(latencies),
+                              "p99_secs": round(latencies[int(len(latencies) * 0.99)], 3),
+                              "max_secs": round(latencies[-1], 3)}))
+    finally:
+        stop.set()
+        survivors = stop_process_group(dev.proc)
+    assert not survivors, f"processes of `dg dev` survived SIGKILL: {survivors}"
+
+
 def test_preflight_counts_a_group_run_once_and_a_groups_pool_once(db_url: str, tmp_path: Path) -> None:
     """The limits a group delivery run leaves: one of ``max_concurrent_runs`` for the whole group (streams
     without ``reader:`` are the group ``default``'s: one run for all of them too; a line only once the groups'

@@ -248,13 +248,14 @@ def _ledger(url: str, stream: int) -> list[int]:
                                         "order by id", [stream])]
 
 
-def _drive(driver: Driver, done: Any, timeout: float = 240) -> list[str]:
+def _drive(driver: Driver, done: Any, timeout: float = 240, lacking: Any = None) -> list[str]:
     """Tick both streams and execute what they ask for until ``done()``, as the daemon would through the
-    failover; returns the skip reasons of the ticks that waited for the database."""
+    failover; returns the skip reasons of the ticks that waited for the database. ``lacking()`` says, should
+    they not catch up, what they lack."""
     deadline = time.monotonic() + timeout
     waited: list[str] = []
     while not done():
-        assert time.monotonic() < deadline, "the streams did not catch up in time"
+        assert time.monotonic() < deadline, f"the streams did not catch up in time: {lacking and lacking()}"
         for stream in STREAMS:
             tick = driver.tick(stream)  # a tick that loses its server says so in one line, raises nothing
             said = tick.skip_message or ""
@@ -299,6 +300,8 @@ def _fail_over_under_trickle(pair: StandbyPair, name: str, tmp_path: Path, insta
     lake_token: list[int | None] = []  # the lake's token (a ledger position) as the primary is killed
     old_keys: set[str] = set()  # the run keys of the old primary's ledger as it is killed
 
+    phase = ["the first 100 deliveries"]  # where the fault's thread is (said should the streams not catch up)
+
     def fault() -> None:
         def sent(n: int, since: float = 0) -> bool:
             return sum(writer.committed_at.get(t, 0) > since for _i, t, _a in _delivered(recorder)) >= n
@@ -309,6 +312,7 @@ def _fail_over_under_trickle(pair: StandbyPair, name: str, tmp_path: Path, insta
         if lagging:
             pair.cut_off_standby()
             cut_off = time.monotonic()
+            phase.append("40 deliveries after the standby's cut-off")
             # rows the standby never got, delivered: more than the 32 values a sequence logs ahead, so the
             # new primary's sequence resumes below some of their ids
             while not held_back and not sent(40, since=cut_off):
@@ -319,19 +323,24 @@ def _fail_over_under_trickle(pair: StandbyPair, name: str, tmp_path: Path, insta
                     kept = s.execute("select coalesce(max(id), 0) from pgstream.batches where stream_id = %s",
                                      [LAKE_STREAM]).fetchone()
                 assert kept is not None
+                phase.append("the lake's token past the standby's ledger")
                 # past the batch ids the new primary's sequence hands out first (it logs 32 values ahead): it
                 # names again positions the table's token passed
                 _wait_for(lambda: ((_lake_token(lake) or 0) >> 32) > kept[0] + 64, timeout=60)
         if held_back:
             time.sleep(1)  # rows the standby never gets: held back from the sink
+        phase.append("150 deliveries")
         while not held_back and not sent(150):
             time.sleep(0.02)
         if lake is not None:
             lake_token.append(_lake_token(lake))
         old_keys.update(_run_keys(pair.primary.url_for(name)))
+        phase.append("the promotion")
         promoted.append(pair.fail_over())
+        phase.append("2 s of writes on the new primary")
         time.sleep(2)
         writer.finish()
+        phase.append("done")
 
     failed: list[BaseException] = []  # what the fault's thread raised (raised here)
 
@@ -353,7 +362,21 @@ def _fail_over_under_trickle(pair: StandbyPair, name: str, tmp_path: Path, insta
             return {i for i, (s, _t) in held.items() if s in STREAMS} <= {i for i, _t, _a in _delivered(recorder)} \
                 and (lake is None or in_lake <= set(lake_ids(lake, LAKE_STREAM))) \
                 and (query is None or {i for i, (s, _t) in held.items() if s == 2} <= set(query.read))
-        waited = _drive(driver, caught_up)
+        def lacking() -> dict[str, Any]:
+            try:
+                held = _held(pair.url_for(name))
+            except psycopg.Error as exc:
+                return {"fault at": phase[-1], "held": str(exc)}
+            got = {i for i, _t, _a in _delivered(recorder)}
+            said = {f"stream {s}": sorted(i for i, (t, _g) in held.items() if t == s and i not in got)[:10]
+                    for s in STREAMS}
+            if lake is not None:
+                said["lake"] = sorted(set(i for i, (s, _t) in held.items() if s == LAKE_STREAM)
+                                      - set(lake_ids(lake, LAKE_STREAM)))[:10]
+            if query is not None:
+                said["spark query"] = sorted({i for i, (s, _t) in held.items() if s == 2} - set(query.read))[:10]
+            return {"fault at": phase[-1], **said}
+        waited = _drive(driver, caught_up, lacking=lacking)
     finally:
         writer.stop.set()
         if query is not None:

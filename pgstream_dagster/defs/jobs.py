@@ -283,7 +283,8 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
     host = GroupHost(run_id, context.log, member_host, claim=claim, ended=ended, stop_check=stop_check, read=read,
                      read_ends=kept.close)
     delivery = GroupDelivery(group, streams, pgstream.database_url, pgstream.executor_database_url, host,
-                             max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams), handoff=handoff)
+                             max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams),
+                             run_grace_secs=min(s.delivery.run_grace_secs for s in streams), handoff=handoff)
     try:
         reason = delivery.run()
     except locks.LeaseTaken as exc:

@@ -37,7 +37,7 @@ from ..engine import limits, replication
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, decide, tick_notes
 from ..engine.collector import fewer_collections
 from ..engine.dbconn import database_key, describe_url, error_line, server_gone
-from ..engine.delivery.group import member_run_id
+from ..engine.delivery.group import handover_lead, member_run_id
 from ..engine.ingest import GroupResult, consume_group, group_log, unconfigured
 from ..engine.ledger import groups, locks
 from ..engine.ledger import state as ledger_state
@@ -375,7 +375,12 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
                    log: list[str], left_out: dict[int, str]) -> tuple[dg.RunRequest | None, str]:
     """The group's delivery run: the one live (queued, starting, or started and holding the group's delivery lease),
     or one to request (with the members' :data:`~.names.CONFIG_TAG`). A started one whose lease was lost, or that took
-    none ``delivery.run_grace_secs`` after it started, is reported failed (the sensor then retries its members' runs).
+    none ``delivery.run_grace_secs`` after it started (unless it waits for the one holding it), is reported failed
+    (the sensor then retries its members' runs).
+
+    The run holding the lease gets a successor :func:`~..engine.delivery.group.handover_lead` before its
+    ``max_run_secs``: requested then, it starts and waits for the lease; once it has started, the run it takes over
+    from is asked to end (:data:`~.names.STOP_TAG`), so the members' deliveries pause for the hand-over only.
 
     Members the database does not have in the group yet are registered first (one query when none is missing), even
     while an older group run's reader reads: it records them meanwhile and is asked to end (:func:`_ask_to_end`); the
@@ -389,29 +394,48 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
                    f"group reader's next pass")
     fingerprint = streams_fingerprint(streams)
     grace = min(s.delivery.run_grace_secs for s in streams)
+    max_run_secs = min(s.delivery.tuning.max_run_secs for s in streams)
+    live: list[tuple[dg.DagsterRun, locks.LeaseState | None]] = []  # newest first; the lease's state once started
     for run in _group_runs(instance, conn, group, limit=5):
         if run.status not in _LIVE:
             continue
-        doing = ""
+        lease = None
         if run.status == dg.DagsterRunStatus.STARTED:
-            state = locks.group_lease_state(conn, group, run.run_id)
-            late, doing = False, " (it holds the group's delivery lease)"
-            if state is locks.LeaseState.NOT_TAKEN:  # (the run's record only then: Dagster reads it costly)
-                late, doing = _not_taken(instance, run, grace, time.time())
-                doing = f": {doing}"
-            if state is locks.LeaseState.LOST:  # (its process died, or the database went away and is back)
-                state = _looked_again(functools.partial(_group_lease, conn, group, run.run_id))[run.run_id]
-                if state is locks.LeaseState.HELD:
-                    doing = " (it took the group's delivery lease again: it rode out the database's absence)"
-            if state is locks.LeaseState.LOST or (state is locks.LeaseState.NOT_TAKEN and late):
-                why = ("the database session holding the group's delivery lease has ended (its process died)"
-                       if state is locks.LeaseState.LOST else
-                       f"no group delivery lease {grace:g} s after it started (delivery.run_grace_secs)")
-                instance.report_run_failed(run, f"pgstream: group delivery run {run.run_id} of reader group {group} "
-                                                f"died: {why}")
-                log.append(f"reader group {group}: group delivery run {run.run_id} died ({why}); marked failed")
-                continue
+            lease = locks.group_lease_state(conn, group, run.run_id)
+            if lease is locks.LeaseState.LOST:  # (its process died, or the database went away and is back)
+                lease = _looked_again(functools.partial(_group_lease, conn, group, run.run_id))[run.run_id]
+        live.append((run, lease))
+    holder = next((run for run, lease in live if lease is locks.LeaseState.HELD), None)
+    for run, lease in live:
+        late, doing = False, ""
+        if lease is locks.LeaseState.HELD:
+            doing = " (it holds the group's delivery lease)"
+        elif lease is locks.LeaseState.WAITING:
+            doing = " (it waits for the group's delivery lease)"
+        elif lease is locks.LeaseState.NOT_TAKEN:  # (the run's record only then: Dagster reads it costly)
+            late, doing = _not_taken(instance, run, grace, time.time())
+            doing = f": {doing}"
+        if lease is locks.LeaseState.LOST or late:
+            why = ("the database session holding the group's delivery lease has ended (its process died)"
+                   if lease is locks.LeaseState.LOST else
+                   f"no group delivery lease {grace:g} s after it started (delivery.run_grace_secs)")
+            instance.report_run_failed(run, f"pgstream: group delivery run {run.run_id} of reader group {group} "
+                                            f"died: {why}")
+            log.append(f"reader group {group}: group delivery run {run.run_id} died ({why}); marked failed")
+            continue
+        if holder is not None and run is not holder:  # its successor: it takes the lease once the holder has ended
+            if lease is locks.LeaseState.WAITING and STOP_TAG not in holder.tags:
+                instance.add_run_tags(holder.run_id, {STOP_TAG: f"its successor {run.run_id} is up (a fresh group "
+                                                                f"delivery run every delivery.tuning.max_run_secs)"})
+            return None, f"group delivery run {run.run_id}{doing or f' ({run.status.value.lower()})'} takes over " \
+                         f"from {holder.run_id}"
         ending = _ask_to_end(instance, run, group, fingerprint, log)
+        if run is holder and not ending and STOP_TAG not in run.tags:
+            age = locks.group_lease_age(conn, group, run.run_id)
+            if age is not None and age >= max_run_secs - handover_lead(max_run_secs, grace):
+                return _requested(conn, group, fingerprint), (
+                    f"{run.run_id} has been open {age:.0f} s of {max_run_secs:g} (delivery.tuning.max_run_secs): "
+                    f"its successor requested")
         if doing:  # started: whether it holds its lease, or how long it has not taken it
             return None, f"group delivery run {run.run_id}{doing}{ending}"
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
@@ -422,10 +446,15 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         return None, "its streams (mode per_batch) have runs of their own"
     wanted = [m for m in groups.member_runs(conn, group) if m.stream_id in hosted]
     members = ", ".join(str(m.stream_id) for m in wanted)
+    return _requested(conn, group, fingerprint), (
+        f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
+
+
+def _requested(conn: psycopg.Connection, group: str, fingerprint: str) -> dg.RunRequest:
+    """The request of a group delivery run (of the members' configuration, ``fingerprint``)."""
     return dg.RunRequest(run_key=f"pgstream-group-{group}-{int(time.time())}", job_name=GROUP_DELIVERY_JOB,
                          run_config={"ops": {"deliver_group": {"config": {"group": group}}}},
-                         tags={GROUP_TAG: group_tag(group, database_key(conn)), CONFIG_TAG: fingerprint}), (
-        f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
+                         tags={GROUP_TAG: group_tag(group, database_key(conn)), CONFIG_TAG: fingerprint})
 
 
 #: what a group's tick tells in one line (its skip reason), without a traceback

@@ -36,6 +36,14 @@ OUTAGE_RETRY_SECS = 0.1  # while the database is away: how often the group run (
 REFUSALS: tuple[type[Exception], ...] = (groups.GroupChange, PublicationTaken, LimitsExceeded)
 
 
+def handover_lead(max_run_secs: float, run_grace_secs: float) -> float:
+    """How long before a group delivery run's ``max_run_secs`` its successor is requested: it starts meanwhile and
+    waits for the group's lease, and the run ends once it is up (its members' deliveries pause for a hand-over,
+    not for a process to start): ``run_grace_secs`` (how long a run may take to start), half of ``max_run_secs``
+    at most."""
+    return min(run_grace_secs, max_run_secs / 2)
+
+
 def _database_gone(exc: BaseException) -> bool:
     """Whether a member's run stopped because the database (or its connection to it) went away, not its sink."""
     return isinstance(exc, LedgerConnectionBroken) or (
@@ -76,6 +84,9 @@ class GroupDelivery:
     executor_url: str
     host: GroupHost
     max_run_secs: float
+    #: how long a successor waits for the run it takes over from to give the group's lease up (beyond
+    #: :func:`handover_lead`) before it fails with :class:`~..ledger.locks.LeaseTaken`
+    run_grace_secs: float
     handoff: Handoff | None = None  # what the group's reader records for the members, taken by their runs
     hosted: set[str] = field(default_factory=set)  # every run key taken (or refused) since the last outage
     _members: dict[int, threading.Thread] = field(default_factory=dict)  # (their threads)
@@ -93,7 +104,9 @@ class GroupDelivery:
     def run(self) -> str:
         """Host the members' runs until the group run ends; why it ended."""
         by_id = {s.id: s for s in self.streams}
-        lease = locks.acquire_group_lease(self.database_url, self.group, self.host.run_id)
+        lease = self._take_lease()
+        if isinstance(lease, str):
+            return lease
         reader: threading.Thread | None = None
         self._connections = self._members_pool()
         self._wake.update({stream_id: threading.Event() for stream_id in by_id})
@@ -243,6 +256,29 @@ class GroupDelivery:
             log.info(f"reader group {self.group}: the database accepts writes again after "
                      f"{time.monotonic() - began:.1f}s: the group delivery run goes on")
             return taken
+
+    def _take_lease(self) -> psycopg.Connection | str:
+        """The group's lease; while the run it succeeds holds it, waited for (up to :func:`handover_lead` and
+        ``run_grace_secs``: that run ends once its sensor sees this one started). Asked to end meanwhile: why."""
+        deadline = time.monotonic() + handover_lead(self.max_run_secs, self.run_grace_secs) + self.run_grace_secs
+        told, checked_at, reason = False, time.monotonic(), None
+
+        def waits() -> bool:
+            nonlocal told, checked_at, reason
+            if not told:
+                told = True
+                self.host.log.info(f"reader group {self.group}: the group delivery run waits for the one it takes "
+                                   f"over from to end")
+            if time.monotonic() - checked_at >= 1.0:
+                checked_at = time.monotonic()
+                reason = self._asked_to_end()
+            return reason is None and time.monotonic() < deadline
+        try:
+            return locks.acquire_group_lease(self.database_url, self.group, self.host.run_id, waits)
+        except locks.LeaseTaken:
+            if reason is not None:
+                return reason
+            raise
 
     def _members_pool(self) -> locks.SharedConnections:
         return locks.SharedConnections(self.database_url, f"pgstream group members {self.host.run_id}")

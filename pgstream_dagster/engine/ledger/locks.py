@@ -116,6 +116,7 @@ class LeaseState(StrEnum):
     HELD = "held"  # a live backend of the run holds it
     LOST = "lost"  # the backend that held it ended without giving it up: the run's process (or connection) died
     NOT_TAKEN = "not taken"  # no lease names the run: it has not taken one yet (or gave it up, ending)
+    WAITING = "waiting"  # (a group's lease) a live backend of the run waits for the run holding it to end
 
 
 def lease_state(conn: psycopg.Connection, run_id: str) -> LeaseState:
@@ -329,19 +330,31 @@ class SharedConnections:
 GROUP_DELIVERY_LOCK = "group_delivery"
 #: per reader group: the reading of its slot, by the group run's reader while it reads or the sensor for its tick
 GROUP_READER_LOCK = "group_reader"
+GROUP_WAIT_LOCK = "group_wait"  # per group: a successor waiting for the group's lease (alive while it waits)
 
 
 def _group_lock(group: str, name: str = GROUP_DELIVERY_LOCK) -> str:
     return f"{name}:{group}"
 
 
-def acquire_group_lease(database_url: str, group: str, run_id: str) -> psycopg.Connection:
-    """A connection holding group ``group``'s delivery lease for group run ``run_id`` (else :class:`LeaseTaken`)."""
+def acquire_group_lease(database_url: str, group: str, run_id: str,
+                        waits: Callable[[], bool] = lambda: False) -> psycopg.Connection:
+    """A connection holding group ``group``'s delivery lease for group run ``run_id``. While another live run holds
+    it, tried again every :data:`LEASE_POLL_SECS` as long as ``waits()`` (a successor waiting for the run it takes
+    over from to end), then :class:`LeaseTaken`."""
     conn = dbconn.connect(database_url, autocommit=True, application_name=lease_name(run_id))
+    waiting = False  # (its wait is a lock of its session: a run that dies waiting is seen dead at once)
     try:
-        if not try_lock(conn, _group_lock(group), 0, run_id):
-            raise LeaseTaken(f"another group delivery run ({lock_holder(conn, _group_lock(group), 0)}) hosts the "
-                             f"deliveries of reader group {group}")
+        while not try_lock(conn, _group_lock(group), 0, run_id):
+            if not waits():
+                if waiting:
+                    unlock(conn, _group_lock(group, GROUP_WAIT_LOCK), 0)
+                raise LeaseTaken(f"another group delivery run ({lock_holder(conn, _group_lock(group), 0)}) hosts "
+                                 f"the deliveries of reader group {group}")
+            waiting = waiting or try_lock(conn, _group_lock(group, GROUP_WAIT_LOCK), 0, run_id)
+            time.sleep(LEASE_POLL_SECS)
+        if waiting:
+            unlock(conn, _group_lock(group, GROUP_WAIT_LOCK), 0)
         return conn
     except BaseException:
         conn.close()
@@ -349,13 +362,25 @@ def acquire_group_lease(database_url: str, group: str, run_id: str) -> psycopg.C
 
 
 def group_lease_state(conn: psycopg.Connection, group: str, run_id: str) -> LeaseState:
-    """What became of group delivery run ``run_id``'s lease of reader group ``group``."""
-    row = conn.execute("select pgstream.backend_alive(l.pid, l.backend_start, l.usesysid) from pgstream.locks l "
-                       "where l.name = %s and l.key = 0 and l.holder = %s and l.pid is not null",
+    """What became of group delivery run ``run_id``'s lease of reader group ``group``, or its wait for it."""
+    rows: dict[str, bool] = dict(conn.execute(
+        "select l.name, pgstream.backend_alive(l.pid, l.backend_start, l.usesysid) from pgstream.locks l "
+        "where l.name in (%s, %s) and l.key = 0 and l.holder = %s and l.pid is not null",
+        [_group_lock(group), _group_lock(group, GROUP_WAIT_LOCK), run_id]).fetchall())
+    if rows.get(_group_lock(group)):
+        return LeaseState.HELD
+    if rows.get(_group_lock(group, GROUP_WAIT_LOCK)):
+        return LeaseState.WAITING
+    return LeaseState.LOST if rows else LeaseState.NOT_TAKEN
+
+
+def group_lease_age(conn: psycopg.Connection, group: str, run_id: str) -> float | None:
+    """How long group delivery run ``run_id`` has held reader group ``group``'s lease (seconds; None: it does not)."""
+    row = conn.execute("select extract(epoch from clock_timestamp() - l.taken_at)::float8 from pgstream.locks l "
+                       "where l.name = %s and l.key = 0 and l.holder = %s "
+                       "and pgstream.backend_alive(l.pid, l.backend_start, l.usesysid)",
                        [_group_lock(group), run_id]).fetchone()
-    if row is None:
-        return LeaseState.NOT_TAKEN
-    return LeaseState.HELD if row[0] else LeaseState.LOST
+    return None if row is None else float(row[0])
 
 
 def give_up_group_lease(conn: psycopg.Connection, group: str) -> None:
