@@ -140,7 +140,8 @@ class DeliveryTuning(_Model):
                                                  "round logs its progress (every tenth) at most this often too")
     max_run_secs: float = Field(1800, ge=1, le=7 * 86400,
                                 description="an open run takes no new batch after this long (a fresh run picks "
-                                            "up configuration changes)")
+                                            "up configuration changes; a group delivery run's successor, "
+                                            "requested run_grace_secs before, takes over)")
 
     _gone = ("read_slot", "linger_secs")
 
@@ -184,7 +185,9 @@ class DeliveryConfig(_Model):
                                   description="a started run that has taken no delivery lease this long after "
                                               "it started is dead (its process never got going): it is marked "
                                               "failed and its batches retried. A run whose lease's database "
-                                              "session has ended (process killed) is dead at once")
+                                              "session has ended (process killed) is dead at once. Also how "
+                                              "long before tuning.max_run_secs (half of it at most) a group "
+                                              "delivery run's successor is requested")
 
     _gone = ("read_slot", "linger_secs", "keep_warm")
 
