@@ -27,6 +27,7 @@ import yaml
 from pgstream_dagster.config import load_config, streams_fingerprint
 from pgstream_dagster.defs.names import DELIVERY_JOB, GROUP_DELIVERY_JOB, GROUP_TAG
 from pgstream_dagster.engine.bootstrap import init
+from pgstream_dagster.engine.ledger import locks
 from pgstream_dagster.engine.migrations import migrate
 
 from .support.dagster_dev import (
@@ -327,11 +328,12 @@ def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_loc
 def test_a_group_run_is_taken_over_by_a_successor_started_before_its_max_run_secs(
         databases: Databases, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through `dg dev`: three streams of group ``relay`` with max_run_secs 30 (the hand-over's lead: 15 s), an
-    event on each every 0.1 s for 35 s. The group's sensor requests the group run's successor 15 s before its
+    event on each every 0.1 s. The group's sensor requests the group run's successor 15 s before its
     end; the successor starts while the run delivers and waits for the group's lease; once it waits, the run is
     asked to end (tag pgstream/stop), ends gracefully, and the successor takes over: the run ended after its
-    successor had started (no member waits for a process to start). Every event reaches its file once,
-    in commit order; no run failed."""
+    successor had started (no member waits for a process to start). Then kill -9 of the next successor as it
+    waits: it alone is marked failed, and a group run goes on. Every event reaches its file once, in commit
+    order."""
     app = databases.app_url
     migrate(app)
     ids = [1, 2, 3]
@@ -385,27 +387,58 @@ def test_a_group_run_is_taken_over_by_a_successor_started_before_its_max_run_sec
             insert_events(app, 1, 1)
             wait_for("the group run", lambda: len(delivered(1)) == 1, READY_TIMEOUT_SECS, dev, state)
             writer.start()
-            began = time.monotonic()
-            while time.monotonic() - began < 35:
-                look()
-                time.sleep(0.05)
+
+            def watch(what: str, done: Callable[[], bool], timeout: float = 60) -> None:
+                deadline = time.monotonic() + timeout
+                while not done():
+                    assert time.monotonic() < deadline, f"timed out waiting for {what}: {state()}"
+                    look()
+                    time.sleep(0.05)
+
+            def ended(status: dg.DagsterRunStatus) -> list[dg.DagsterRun]:
+                return [r for r in group_runs() if r.status == status]
+
+            def successor_of(run: dg.DagsterRun) -> str:
+                return run.tags.get("pgstream/stop", "").removeprefix("its successor ").split(" ")[0]
+
+            # kill -9 of the next successor as it waits for the lease: the sensor sees its wait lost at once and
+            # marks it failed; the run it was to succeed goes on (or, already asked to end, a fresh one is started)
+            with psycopg.connect(app, autocommit=True) as c:
+                def lease(run_id: str) -> locks.LeaseState:
+                    return locks.group_lease_state(c, "relay", run_id)
+
+                watch("the first hand-over", lambda: any(lease(successor_of(r)) is locks.LeaseState.HELD
+                                                         for r in ended(dg.DagsterRunStatus.SUCCESS)))
+
+                def waiting() -> str | None:
+                    newest, holder = group_runs()[:2]
+                    return newest.run_id if lease(newest.run_id) is locks.LeaseState.WAITING \
+                        and lease(holder.run_id) is locks.LeaseState.HELD else None
+                watch("a successor waiting", lambda: waiting() is not None)
+                killed = waiting()
+                assert killed is not None
+                os.kill(_run_worker(dev.proc.pid, killed), signal.SIGKILL)
+            watch("the killed successor marked failed", lambda: [r.run_id for r in ended(
+                dg.DagsterRunStatus.FAILURE)] == [killed], 30)
+            watch("a group run after it", lambda: group_runs()[0].run_id != killed
+                  and group_runs()[0].status == dg.DagsterRunStatus.STARTED)
+            time.sleep(2)
             stop.set()
             writer.join(10)
-            wait_for("every event", lambda: all(len(delivered(i)) >= len(_sent(app, i)) for i in ids), 60, dev,
-                     state)
+            watch("every event", lambda: all(len(delivered(i)) >= len(_sent(app, i)) for i in ids))
             look()
             for i in ids:
                 assert delivered(i) == _sent(app, i), i  # once each, in commit order
             runs = group_runs()  # newest first
-            ended = [r for r in runs if r.status != dg.DagsterRunStatus.STARTED]
-            assert len(ended) >= 1 and all(r.status == dg.DagsterRunStatus.SUCCESS for r in ended), state()
+            assert [r.run_id for r in runs if r.status == dg.DagsterRunStatus.FAILURE] == [killed], state()
             records = {r.dagster_run.run_id: r for r in instance.get_run_records(
                 dg.RunsFilter(job_name=GROUP_DELIVERY_JOB))}
-            for successor, run in itertools.pairwise(runs):
-                if run.status == dg.DagsterRunStatus.STARTED:
-                    continue
-                assert run.tags["pgstream/stop"].startswith(f"its successor {successor.run_id} is up"), state()
-                started, end = records[successor.run_id].start_time, records[run.run_id].end_time
+            handed = [r for r in runs if r.status == dg.DagsterRunStatus.SUCCESS]
+            assert handed, state()
+            for run in handed:  # each ended after its successor had started
+                successor = successor_of(run)
+                assert successor in records and successor != killed, state()
+                started, end = records[successor].start_time, records[run.run_id].end_time
                 assert started is not None and end is not None and started < end, state()
             latencies = sorted(seen[e] - committed[e] for e in committed if e in seen)
             print(json.dumps({"group_runs": len(runs), "events": len(latencies),
