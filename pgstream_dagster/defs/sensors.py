@@ -395,20 +395,24 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     fingerprint = streams_fingerprint(streams)
     grace = min(s.delivery.run_grace_secs for s in streams)
     max_run_secs = min(s.delivery.tuning.max_run_secs for s in streams)
-    live: list[tuple[dg.DagsterRun, locks.LeaseState | None]] = []  # newest first; the lease's state once started
+    # newest first: the lease's state once started, and whether it took it again after the database's absence
+    live: list[tuple[dg.DagsterRun, locks.LeaseState | None, bool]] = []
     for run in _group_runs(instance, conn, group, limit=5):
         if run.status not in _LIVE:
             continue
-        lease = None
+        lease, back = None, False
         if run.status == dg.DagsterRunStatus.STARTED:
             lease = locks.group_lease_state(conn, group, run.run_id)
             if lease is locks.LeaseState.LOST:  # (its process died, or the database went away and is back)
                 lease = _looked_again(functools.partial(_group_lease, conn, group, run.run_id))[run.run_id]
-        live.append((run, lease))
-    holder = next((run for run, lease in live if lease is locks.LeaseState.HELD), None)
-    for run, lease in live:
+                back = lease is locks.LeaseState.HELD
+        live.append((run, lease, back))
+    holder = next((run for run, lease, _back in live if lease is locks.LeaseState.HELD), None)
+    for run, lease, back in live:
         late, doing = False, ""
-        if lease is locks.LeaseState.HELD:
+        if back:
+            doing = " (it took the group's delivery lease again: it rode out the database's absence)"
+        elif lease is locks.LeaseState.HELD:
             doing = " (it holds the group's delivery lease)"
         elif lease is locks.LeaseState.WAITING:
             doing = " (it waits for the group's delivery lease)"
