@@ -239,7 +239,8 @@ class Driver:
         assert request.tags.get(GROUP_TAG) == group_tag_of(url, group), request.tags
         runs = self.group_runs.setdefault(group, [])
         for run in runs:  # Dagster shows a run ended a moment before execute_in_process returns
-            run.wait(30)
+            if not run.live():  # (a live one is succeeded: its successor waits for the group's lease, as launched)
+                run.wait(30)
         run = Background(self, request)
         runs.append(run)
         # as the daemon does, the run exists (queued) before the next tick looks for a live one
@@ -342,6 +343,13 @@ class Background:
             if name.startswith("pgstream") or ident == self.thread.ident:
                 lines.append(f"thread {name}:\n" + "".join(traceback.format_stack(frame)[-8:]))
         return "\n".join(lines)
+
+    def live(self) -> bool:
+        """Whether Dagster shows the run live (not yet ended)."""
+        run_id = self.run_id
+        run = self.driver.instance.get_run_by_id(run_id) if run_id else None
+        return run is not None and run.status in (dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED,
+                                                  dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED)
 
     def wait(self, timeout: float) -> dg.ExecuteInProcessResult:
         self.thread.join(timeout)
