@@ -13,6 +13,7 @@ import json
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -310,6 +311,113 @@ def test_an_install_whose_streams_read_their_own_slots_delivers_every_event_once
             (i, groups.group_reader(DEFAULT_READER)) for i in ids]
     assert _pgstream_slots(db_url) == [_group_slot(db_url)] and not set(own_slots) & set(_pgstream_slots(db_url))
     _end_group_runs(driver)
+
+
+def test_the_sensor_hands_a_group_run_over_to_its_successor_and_fails_one_that_died_waiting(
+        db_url: str, dagster_storage_url: str, tmp_path: Path) -> None:
+    """The group's sensor's decisions around a group run's ``max_run_secs`` (``sensors.group_delivery`` on a real
+    instance, whose run queue allows 1 run per pgstream/group, and the ledger's locks): the run holding the
+    group's lease is left alone until ``max_run_secs`` less the hand-over's lead (``run_grace_secs``, half of
+    ``max_run_secs`` at most: 2 s of 4), then its successor is requested; queued, the successor is said to wait
+    for the instance's limit, naming the setting; once it waits for the lease, the run is asked to end (tag
+    pgstream/stop); killed as it waits (its session ended), it is marked failed at once and the run goes on."""
+    from dagster._core.events import DagsterEventType
+    from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
+
+    from pgstream_dagster.defs import sensors
+    from pgstream_dagster.defs.names import CONFIG_TAG, STOP_TAG, group_tag
+    from pgstream_dagster.engine.dbconn import database_key
+
+    from .conftest import storage_overrides
+
+    path = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": 1, "reader": "relay", "delivery": {"mode": "open", "tuning": {"max_run_secs": 4}},
+         "sink": {"type": "file", "path": str(tmp_path / "out1.jsonl")}}])
+    streams = list(load_config(path).streams)
+    queue = {"module": "dagster.core.run_coordinator", "class": "QueuedRunCoordinator",
+             "config": {"tag_concurrency_limits": [{"key": GROUP_TAG, "value": {"applyLimitPerUniqueValue": True},
+                                                    "limit": 1}]}}
+    (tmp_path / "dagster_home").mkdir()
+    with dg.instance_for_test(overrides={**storage_overrides(dagster_storage_url), "run_coordinator": queue},
+                              temp_dir=str(tmp_path / "dagster_home")) as instance, \
+            psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, "relay", streams, 0)
+        tags = {GROUP_TAG: group_tag("relay", database_key(c)), CONFIG_TAG: streams_fingerprint(streams)}
+
+        # (what the daemon's requests carry: Dagster keeps a queued run only with it)
+        origin = RemoteJobOrigin(RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("pgstream"), "__repository__"),
+                                 GROUP_DELIVERY_JOB)
+
+        def run(*moves: DagsterEventType) -> dg.DagsterRun:
+            """A group delivery run of the instance, through ``moves`` (Dagster's events: its status)."""
+            created = instance.add_run(dg.DagsterRun(job_name=GROUP_DELIVERY_JOB, run_id=str(uuid.uuid4()),
+                                                     status=dg.DagsterRunStatus.NOT_STARTED, tags=tags,
+                                                     remote_job_origin=origin))
+            for move in moves:
+                move_run(created, move)
+            return created
+
+        def move_run(moved: dg.DagsterRun, event: DagsterEventType) -> None:
+            instance.run_storage.handle_run_event(moved.run_id, dg.DagsterEvent(event.value,
+                                                                               job_name=GROUP_DELIVERY_JOB))
+
+        def decide() -> tuple[dg.RunRequest | None, str, list[str]]:
+            log: list[str] = []
+            request, said = sensors.group_delivery(c, instance, "relay", streams, log, {})
+            return request, said, log
+
+        def status(run: dg.DagsterRun) -> tuple[dg.DagsterRunStatus, str | None]:
+            now = instance.get_run_by_id(run.run_id)
+            assert now is not None
+            return now.status, now.tags.get(STOP_TAG)
+
+        holder = run(DagsterEventType.RUN_START)
+        lease = locks.acquire_group_lease(db_url, "relay", holder.run_id)
+        taken = time.monotonic()
+        request, said, _ = decide()
+        assert request is None and said == f"group delivery run {holder.run_id} (it holds the group's delivery lease)"
+        time.sleep(max(0.0, taken + 2.2 - time.monotonic()))
+        request, said, _ = decide()
+        assert request is not None and request.tags == tags, said
+        assert said.startswith(f"{holder.run_id} has been open 2 s of 4") and said.endswith("its successor requested")
+
+        successor = run(DagsterEventType.RUN_ENQUEUED)
+        request, said, _ = decide()
+        assert request is None and said.startswith(f"group delivery run {successor.run_id} (queued) takes over from "
+                                                   f"{holder.run_id}: the instance's run queue allows 1 run per "
+                                                   f"{GROUP_TAG}"), said
+        assert said.endswith(f"set limit: 2 for key {GROUP_TAG} under run_coordinator.config.tag_concurrency_limits "
+                             f"in dagster.yaml")
+        assert status(holder) == (dg.DagsterRunStatus.STARTED, None)  # (queued: the run goes on)
+
+        move_run(successor, DagsterEventType.RUN_START)  # it starts, and waits for the group's lease
+        ended = threading.Event()
+
+        def wait() -> None:
+            with contextlib.suppress(psycopg.Error):  # (its session is ended below)
+                locks.acquire_group_lease(db_url, "relay", successor.run_id, waits=lambda: not ended.is_set())
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while locks.group_lease_state(c, "relay", successor.run_id) is not locks.LeaseState.WAITING:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        request, said, _ = decide()
+        assert request is None and said == (f"group delivery run {successor.run_id} (it waits for the group's "
+                                            f"delivery lease) takes over from {holder.run_id}"), said
+        assert status(holder) == (dg.DagsterRunStatus.STARTED, f"its successor {successor.run_id} is up (a fresh "
+                                  f"group delivery run every delivery.tuning.max_run_secs)")
+
+        # killed as it waits: its wait's session ended; the holder (asked to end already) is left to end
+        c.execute("select pg_terminate_backend(pid) from pgstream.locks where holder = %s", [successor.run_id])
+        waiter.join(10)
+        request, said, log = decide()
+        assert status(successor)[0] == dg.DagsterRunStatus.FAILURE
+        assert log == [f"reader group relay: group delivery run {successor.run_id} died (the database session "
+                       f"holding the group's delivery lease has ended (its process died)); marked failed"], log
+        assert request is None and said == f"group delivery run {holder.run_id} (it holds the group's delivery lease)"
+        ended.set()
+        locks.give_up_group_lease(lease, "relay")
 
 
 def test_two_databases_served_by_one_dagster_instance_each_run_their_group_default(

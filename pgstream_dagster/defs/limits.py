@@ -24,6 +24,14 @@ def max_concurrent_runs(instance: dg.DagsterInstance) -> int | None:
     return int(queue.max_concurrent_runs)
 
 
+def tag_run_limit(instance: dg.DagsterInstance, key: str) -> int | None:
+    """How many runs at once the instance's run queue allows per value of run tag ``key`` (``None``: no limit)."""
+    queue = instance.get_concurrency_config().run_queue_config
+    limits = [int(entry["limit"]) for entry in (queue.tag_concurrency_limits if queue else None) or []
+              if entry.get("key") == key]
+    return min(limits) if limits else None
+
+
 def storage_connections(instance: dg.DagsterInstance, max_runs: int | None) -> DagsterStorage | None:
     """Where the instance's storage keeps connections and how many at most, idle (``None``: it keeps none,
     as dagster-postgres' own storage): its three storages' pools in the webserver, the daemon, the code

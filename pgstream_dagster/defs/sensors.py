@@ -45,6 +45,7 @@ from ..engine.limits import LimitsExceeded
 from ..engine.replication import PublicationTaken, SlotCreationWaits
 from ..engine.status import last_batches, stream_status
 from .jobs import delivery_job, group_delivery_job
+from .limits import tag_run_limit
 from .names import (
     ATTEMPT_TAG,
     BATCH_TAG,
@@ -431,8 +432,13 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
             if lease is locks.LeaseState.WAITING and STOP_TAG not in holder.tags:
                 instance.add_run_tags(holder.run_id, {STOP_TAG: f"its successor {run.run_id} is up (a fresh group "
                                                                 f"delivery run every delivery.tuning.max_run_secs)"})
+            queued = ""
+            if run.status == dg.DagsterRunStatus.QUEUED and (tag_run_limit(instance, GROUP_TAG) or 2) < 2:
+                queued = (f": the instance's run queue allows 1 run per {GROUP_TAG}, so it starts only once that "
+                          f"run has ended and every member pauses for it; set limit: 2 for key {GROUP_TAG} under "
+                          f"run_coordinator.config.tag_concurrency_limits in dagster.yaml")
             return None, f"group delivery run {run.run_id}{doing or f' ({run.status.value.lower()})'} takes over " \
-                         f"from {holder.run_id}"
+                         f"from {holder.run_id}{queued}"
         ending = _ask_to_end(instance, run, group, fingerprint, log)
         if run is holder and not ending and STOP_TAG not in run.tags:
             age = locks.group_lease_age(conn, group, run.run_id)
