@@ -78,6 +78,20 @@ def _run_worker(root: int, run_id: str) -> int:
     return worker
 
 
+def _dev_env(config_path: Path, databases: Databases, tmp_path: Path,
+             monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """``init`` of ``config_path``, a Dagster home with the repository's dagster.yaml, and the environment of
+    `dg dev` (this process's too: the test reads the instance)."""
+    print("\n" + "\n".join(init(config_path)))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((repo_root() / "dagster.yaml").read_text())
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
+    return {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
+            "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
+
+
 def _all_at_least(delivered: Callable[[int], list[int]], ids: list[int], n: int) -> Callable[[], bool]:
     return lambda: all(len(delivered(i)) >= n for i in ids)
 
@@ -255,14 +269,7 @@ def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_loc
                 "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
 
     config_path = write_config(tmp_path / "pgstream.yaml", app, [stream(i) for i in (1, 2, 3)])
-    print("\n" + "\n".join(init(config_path)))
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text((repo_root() / "dagster.yaml").read_text())
-    env = {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
-           "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
-    monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
+    env = _dev_env(config_path, databases, tmp_path, monkeypatch)
 
     def delivered(i: int) -> list[int]:
         return [e["id"] for e in read_jsonl(tmp_path / f"out{i}.jsonl")]
@@ -342,14 +349,7 @@ def test_a_group_run_is_taken_over_by_a_successor_started_before_its_max_run_sec
          "sensor": {"interval_secs": 1, "tick_budget_secs": 2},
          "delivery": {"mode": "open", "tuning": {"max_run_secs": 30}},
          "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
-    print("\n" + "\n".join(init(config_path)))
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text((repo_root() / "dagster.yaml").read_text())
-    env = {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
-           "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
-    monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
+    env = _dev_env(config_path, databases, tmp_path, monkeypatch)
 
     def delivered(i: int) -> list[int]:
         path = tmp_path / f"out{i}.jsonl"
