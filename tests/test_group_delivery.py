@@ -78,18 +78,34 @@ def _run_worker(root: int, run_id: str) -> int:
     return worker
 
 
-def _dev_env(config_path: Path, databases: Databases, tmp_path: Path,
-             monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """``init`` of ``config_path``, a Dagster home with the repository's dagster.yaml, and the environment of
-    `dg dev` (this process's too: the test reads the instance)."""
+def _dev_env(config_path: Path, databases: Databases, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+             max_concurrent_runs: int | None = None) -> dict[str, str]:
+    """``init`` of ``config_path``, a Dagster home with the repository's dagster.yaml (its run queue's
+    ``max_concurrent_runs`` set, when given), and the environment of `dg dev` (this process's too: the test
+    reads the instance)."""
     print("\n" + "\n".join(init(config_path)))
     home = tmp_path / "dagster_home"
     home.mkdir()
-    (home / "dagster.yaml").write_text((repo_root() / "dagster.yaml").read_text())
+    instance_yaml = yaml.safe_load((repo_root() / "dagster.yaml").read_text())
+    if max_concurrent_runs is not None:
+        instance_yaml["run_coordinator"]["config"]["max_concurrent_runs"] = max_concurrent_runs
+    (home / "dagster.yaml").write_text(yaml.safe_dump(instance_yaml))
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
     return {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
             "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
+
+
+def _group_runs(instance: dg.DagsterInstance) -> list[dg.DagsterRun]:
+    """The instance's group delivery runs, newest first."""
+    return list(instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB)))
+
+
+def _group_state(instance: dg.DagsterInstance, app: str, ids: list[int],
+                 delivered: Callable[[int], list[int]]) -> str:
+    """What a test waited on in vain: each stream's delivered and sent events, and the group runs (stop tags)."""
+    return (f"delivered/sent {[(len(delivered(i)), len(_sent(app, i))) for i in ids]}; group runs "
+            f"{[(r.run_id[:8], r.status.value, r.tags.get('pgstream/stop')) for r in _group_runs(instance)]}")
 
 
 def _all_at_least(delivered: Callable[[int], list[int]], ids: list[int], n: int) -> Callable[[], bool]:
@@ -119,17 +135,7 @@ def test_a_group_delivery_run_hosts_twelve_streams_isolates_refusing_hanging_and
                 "sink": sinks.get(i) or {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
                for i in IDS]
     config_path = write_config(tmp_path / "pgstream.yaml", app, streams)
-    print("\n" + "\n".join(init(config_path)))
-
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    instance_yaml = yaml.safe_load((repo_root() / "dagster.yaml").read_text())
-    instance_yaml["run_coordinator"]["config"]["max_concurrent_runs"] = MAX_RUNS  # fewer than the streams
-    (home / "dagster.yaml").write_text(yaml.safe_dump(instance_yaml))
-    env = {"PGSTREAM_CONFIG": str(config_path), "DAGSTER_HOME": str(home),
-           "DAGSTER_POSTGRES_URL": databases.dagster_url, "PYTHONUNBUFFERED": "1"}
-    monkeypatch.setenv("DAGSTER_HOME", str(home))
-    monkeypatch.setenv("DAGSTER_POSTGRES_URL", databases.dagster_url)
+    env = _dev_env(config_path, databases, tmp_path, monkeypatch, max_concurrent_runs=MAX_RUNS)  # fewer than streams
 
     def delivered(i: int) -> list[int]:
         if i in (FAILING, HANGING, POISON):
@@ -278,11 +284,10 @@ def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_loc
     try:
         with dg.DagsterInstance.get() as instance:
             def group_runs() -> list[dg.DagsterRun]:
-                return list(instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB)))
+                return _group_runs(instance)
 
             def state() -> str:
-                return (f"delivered/sent {[(len(delivered(i)), len(_sent(app, i))) for i in (1, 2, 3, 4)]}; group "
-                        f"runs {[(r.run_id[:8], r.status.value, r.tags.get('pgstream/stop')) for r in group_runs()]}")
+                return _group_state(instance, app, [1, 2, 3, 4], delivered)
 
             for i in (1, 2, 3):
                 insert_events(app, i, 20)
@@ -379,11 +384,10 @@ def test_a_group_run_is_taken_over_by_a_successor_started_before_its_max_run_sec
     try:
         with dg.DagsterInstance.get() as instance:
             def group_runs() -> list[dg.DagsterRun]:
-                return list(instance.get_runs(dg.RunsFilter(job_name=GROUP_DELIVERY_JOB)))
+                return _group_runs(instance)
 
             def state() -> str:
-                return (f"delivered/sent {[(len(delivered(i)), len(_sent(app, i))) for i in ids]}; group runs "
-                        f"{[(r.run_id[:8], r.status.value, r.tags.get('pgstream/stop')) for r in group_runs()]}")
+                return _group_state(instance, app, ids, delivered)
 
             insert_events(app, 1, 1)
             wait_for("the group run", lambda: len(delivered(1)) == 1, READY_TIMEOUT_SECS, dev, state)
