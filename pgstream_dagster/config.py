@@ -187,7 +187,9 @@ class DeliveryConfig(_Model):
                                               "failed and its batches retried. A run whose lease's database "
                                               "session has ended (process killed) is dead at once. Also how "
                                               "long before tuning.max_run_secs (half of it at most) a group "
-                                              "delivery run's successor is requested")
+                                              "delivery run's successor is requested, and how long one requested "
+                                              "for a configuration change may take to be up before the run it "
+                                              "succeeds is asked to end without it")
 
     _gone = ("read_slot", "linger_secs", "keep_warm")
 

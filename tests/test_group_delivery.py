@@ -262,9 +262,10 @@ def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_loc
         databases: Databases, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through `dg dev`: streams 1..3 of group ``grows`` are delivered by its group run (max_run_secs 600);
     pgstream.yaml gains stream 4 in the group and the code location is reloaded (as an operator does): the group's
-    sensor registers stream 4 and asks the live group run to end (tag pgstream/stop), the run ends gracefully (success),
-    one new group run of the new configuration starts, and every event of the four streams, written before,
-    during and after, reaches its file once, in commit order."""
+    sensor registers stream 4 and requests a group run of the new configuration; once that one has started and
+    waits for the group's lease, the live run is asked to end (tag pgstream/stop) and ends gracefully (success): a
+    hand-over, the new run up before the old one ended. Every event of the four streams, written before, during and
+    after, reaches its file once, in commit order."""
     app = databases.app_url
     migrate(app)
 
@@ -315,9 +316,12 @@ def test_a_stream_added_to_a_group_reaches_its_sink_within_seconds_of_a_code_loc
             ended_secs = time.monotonic() - reloaded
             finished = instance.get_run_by_id(old.run_id)
             assert finished is not None and finished.status == dg.DagsterRunStatus.SUCCESS, state()
-            assert finished.tags["pgstream/stop"].startswith("the configuration of its streams changed")
-            wait_for("a new group run", lambda: any(r.status == dg.DagsterRunStatus.STARTED for r in group_runs()),
-                     60, dev, state)
+            new = group_runs()[0]
+            assert finished.tags["pgstream/stop"] == (f"its successor {new.run_id} is up (the configuration of its "
+                                                      f"streams changed)"), state()
+            old_record, new_record = (instance.get_run_record_by_id(r.run_id) for r in (old, new))
+            assert old_record and new_record and old_record.end_time and new_record.start_time
+            assert new_record.start_time < old_record.end_time, state()  # up before the old one ended
             for i in (1, 2, 3, 4):  # written to the new run
                 insert_events(app, i, 10, start=300)
             wait_for("every event of the four streams",

@@ -313,6 +313,81 @@ def test_an_install_whose_streams_read_their_own_slots_delivers_every_event_once
     _end_group_runs(driver)
 
 
+class _SensorBench:
+    """``sensors.group_delivery`` of group ``relay`` on a real instance whose run queue allows ``limit`` runs per
+    pgstream/group, its group delivery runs made by hand (as the daemon makes them from the sensor's requests)."""
+
+    def __init__(self, instance: dg.DagsterInstance, conn: psycopg.Connection, streams: list[StreamConfig]) -> None:
+        from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
+
+        from pgstream_dagster.defs.names import CONFIG_TAG, group_tag
+        from pgstream_dagster.engine.dbconn import database_key
+
+        self.instance, self.conn, self.streams = instance, conn, streams
+        self.tags = {GROUP_TAG: group_tag("relay", database_key(conn)), CONFIG_TAG: streams_fingerprint(streams)}
+        # (what the daemon's requests carry: Dagster keeps a queued run only with it)
+        self.origin = RemoteJobOrigin(RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("pgstream"),
+                                                             "__repository__"), GROUP_DELIVERY_JOB)
+
+    @classmethod
+    @contextlib.contextmanager
+    def of(cls, db_url: str, dagster_storage_url: str, tmp_path: Path, limit: int,
+           members: list[dict[str, Any]]) -> Iterator[_SensorBench]:
+        from .conftest import storage_overrides
+
+        streams = list(load_config(write_config(tmp_path / "pgstream.yaml", db_url, members)).streams)
+        queue = {"module": "dagster.core.run_coordinator", "class": "QueuedRunCoordinator",
+                 "config": {"tag_concurrency_limits": [{"key": GROUP_TAG, "limit": limit,
+                                                        "value": {"applyLimitPerUniqueValue": True}}]}}
+        (tmp_path / "dagster_home").mkdir()
+        with dg.instance_for_test(overrides={**storage_overrides(dagster_storage_url), "run_coordinator": queue},
+                                  temp_dir=str(tmp_path / "dagster_home")) as instance, \
+                psycopg.connect(db_url, autocommit=True) as c:
+            ingest.consume_group(c, "relay", streams, 0)
+            yield cls(instance, c, streams)
+
+    def run(self, *moves: Any, tags: Mapping[str, str] | None = None) -> dg.DagsterRun:
+        """A group delivery run of the instance (with ``tags``, else the members'), through ``moves`` (Dagster's
+        events: its status)."""
+        created = self.instance.add_run(dg.DagsterRun(
+            job_name=GROUP_DELIVERY_JOB, run_id=str(uuid.uuid4()), status=dg.DagsterRunStatus.NOT_STARTED,
+            tags=dict(tags or self.tags), remote_job_origin=self.origin))
+        for move in moves:
+            self.move(created, move)
+        return created
+
+    def move(self, run: dg.DagsterRun, event: Any) -> None:
+        self.instance.run_storage.handle_run_event(run.run_id, dg.DagsterEvent(event.value,
+                                                                              job_name=GROUP_DELIVERY_JOB))
+
+    def decide(self, streams: list[StreamConfig] | None = None) -> tuple[dg.RunRequest | None, str, list[str]]:
+        from pgstream_dagster.defs import sensors
+
+        log: list[str] = []
+        request, said = sensors.group_delivery(self.conn, self.instance, "relay", streams or self.streams, log, {})
+        return request, said, log
+
+    def status(self, run: dg.DagsterRun) -> tuple[dg.DagsterRunStatus, str | None]:
+        from pgstream_dagster.defs.names import STOP_TAG
+
+        now = self.instance.get_run_by_id(run.run_id)
+        assert now is not None
+        return now.status, now.tags.get(STOP_TAG)
+
+    def waiting(self, db_url: str, run: dg.DagsterRun, ended: threading.Event) -> threading.Thread:
+        """``run`` waits for the group's lease (until ``ended``, or its session is ended), in a thread."""
+        def wait() -> None:
+            with contextlib.suppress(psycopg.Error):  # (its session may be ended)
+                locks.acquire_group_lease(db_url, "relay", run.run_id, waits=lambda: not ended.is_set())
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while locks.group_lease_state(self.conn, "relay", run.run_id) is not locks.LeaseState.WAITING:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        return waiter
+
+
 def test_the_sensor_hands_a_group_run_over_to_its_successor_and_fails_one_that_died_waiting(
         db_url: str, dagster_storage_url: str, tmp_path: Path) -> None:
     """The group's sensor's decisions around a group run's ``max_run_secs`` (``sensors.group_delivery`` on a real
@@ -322,55 +397,12 @@ def test_the_sensor_hands_a_group_run_over_to_its_successor_and_fails_one_that_d
     for the instance's limit, naming the setting; once it waits for the lease, the run is asked to end (tag
     pgstream/stop); killed as it waits (its session ended), it is marked failed at once and the run goes on."""
     from dagster._core.events import DagsterEventType
-    from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
 
-    from pgstream_dagster.defs import sensors
-    from pgstream_dagster.defs.names import CONFIG_TAG, STOP_TAG, group_tag
-    from pgstream_dagster.engine.dbconn import database_key
-
-    from .conftest import storage_overrides
-
-    path = write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": 1, "reader": "relay", "delivery": {"mode": "open", "tuning": {"max_run_secs": 4}},
-         "sink": {"type": "file", "path": str(tmp_path / "out1.jsonl")}}])
-    streams = list(load_config(path).streams)
-    queue = {"module": "dagster.core.run_coordinator", "class": "QueuedRunCoordinator",
-             "config": {"tag_concurrency_limits": [{"key": GROUP_TAG, "value": {"applyLimitPerUniqueValue": True},
-                                                    "limit": 1}]}}
-    (tmp_path / "dagster_home").mkdir()
-    with dg.instance_for_test(overrides={**storage_overrides(dagster_storage_url), "run_coordinator": queue},
-                              temp_dir=str(tmp_path / "dagster_home")) as instance, \
-            psycopg.connect(db_url, autocommit=True) as c:
-        ingest.consume_group(c, "relay", streams, 0)
-        tags = {GROUP_TAG: group_tag("relay", database_key(c)), CONFIG_TAG: streams_fingerprint(streams)}
-
-        # (what the daemon's requests carry: Dagster keeps a queued run only with it)
-        origin = RemoteJobOrigin(RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("pgstream"), "__repository__"),
-                                 GROUP_DELIVERY_JOB)
-
-        def run(*moves: DagsterEventType) -> dg.DagsterRun:
-            """A group delivery run of the instance, through ``moves`` (Dagster's events: its status)."""
-            created = instance.add_run(dg.DagsterRun(job_name=GROUP_DELIVERY_JOB, run_id=str(uuid.uuid4()),
-                                                     status=dg.DagsterRunStatus.NOT_STARTED, tags=tags,
-                                                     remote_job_origin=origin))
-            for move in moves:
-                move_run(created, move)
-            return created
-
-        def move_run(moved: dg.DagsterRun, event: DagsterEventType) -> None:
-            instance.run_storage.handle_run_event(moved.run_id, dg.DagsterEvent(event.value,
-                                                                               job_name=GROUP_DELIVERY_JOB))
-
-        def decide() -> tuple[dg.RunRequest | None, str, list[str]]:
-            log: list[str] = []
-            request, said = sensors.group_delivery(c, instance, "relay", streams, log, {})
-            return request, said, log
-
-        def status(run: dg.DagsterRun) -> tuple[dg.DagsterRunStatus, str | None]:
-            now = instance.get_run_by_id(run.run_id)
-            assert now is not None
-            return now.status, now.tags.get(STOP_TAG)
-
+    member = {"id": 1, "reader": "relay", "delivery": {"mode": "open", "tuning": {"max_run_secs": 4}},
+              "sink": {"type": "file", "path": str(tmp_path / "out1.jsonl")}}
+    with _SensorBench.of(db_url, dagster_storage_url, tmp_path, 1, [member]) as bench:
+        c, tags, run, move_run, decide, status = (bench.conn, bench.tags, bench.run, bench.move, bench.decide,
+                                                  bench.status)
         holder = run(DagsterEventType.RUN_START)
         lease = locks.acquire_group_lease(db_url, "relay", holder.run_id)
         taken = time.monotonic()
@@ -379,7 +411,8 @@ def test_the_sensor_hands_a_group_run_over_to_its_successor_and_fails_one_that_d
         time.sleep(max(0.0, taken + 2.2 - time.monotonic()))
         request, said, _ = decide()
         assert request is not None and request.tags == tags, said
-        assert said.startswith(f"{holder.run_id} has been open 2 s of 4") and said.endswith("its successor requested")
+        assert said.startswith(f"{holder.run_id}: open 2 s of 4 (delivery.tuning.max_run_secs): its successor "
+                               f"requested, it ends once that one waits"), said
 
         successor = run(DagsterEventType.RUN_ENQUEUED)
         request, said, _ = decide()
@@ -392,16 +425,7 @@ def test_the_sensor_hands_a_group_run_over_to_its_successor_and_fails_one_that_d
 
         move_run(successor, DagsterEventType.RUN_START)  # it starts, and waits for the group's lease
         ended = threading.Event()
-
-        def wait() -> None:
-            with contextlib.suppress(psycopg.Error):  # (its session is ended below)
-                locks.acquire_group_lease(db_url, "relay", successor.run_id, waits=lambda: not ended.is_set())
-        waiter = threading.Thread(target=wait, daemon=True)
-        waiter.start()
-        deadline = time.monotonic() + 10
-        while locks.group_lease_state(c, "relay", successor.run_id) is not locks.LeaseState.WAITING:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        waiter = bench.waiting(db_url, successor, ended)
         request, said, _ = decide()
         assert request is None and said == (f"group delivery run {successor.run_id} (it waits for the group's "
                                             f"delivery lease) takes over from {holder.run_id}"), said
@@ -418,6 +442,70 @@ def test_the_sensor_hands_a_group_run_over_to_its_successor_and_fails_one_that_d
         assert request is None and said == f"group delivery run {holder.run_id} (it holds the group's delivery lease)"
         ended.set()
         locks.give_up_group_lease(lease, "relay")
+
+
+@pytest.mark.parametrize("limit", [2, 1])
+def test_a_changed_configuration_hands_the_group_run_over_unless_its_successor_cannot_take_it(
+        db_url: str, dagster_storage_url: str, tmp_path: Path, limit: int) -> None:
+    """The members' configuration changes (a stream's sink) while a group run holds the lease: its successor, of
+    the new configuration, is requested at once and the run delivers on; once the successor waits for the lease,
+    the run is asked to end (tag pgstream/stop, saying why). Should the successor not take over, the run is asked
+    to end all the same (the next run follows once it has ended, as before hand-overs): the run queue allows one
+    group run (``limit`` 1: it is asked at once); a successor failed; or one not up ``run_grace_secs`` after it
+    was requested."""
+    from dagster._core.events import DagsterEventType
+
+    from pgstream_dagster.defs.names import CONFIG_TAG
+
+    def member(sink: str) -> dict[str, Any]:
+        return {"id": 1, "reader": "relay", "delivery": {"mode": "open", "run_grace_secs": 2},
+                "sink": {"type": "file", "path": str(tmp_path / sink)}}
+
+    with _SensorBench.of(db_url, dagster_storage_url, tmp_path, limit, [member("out.jsonl")]) as bench:
+        changed = list(load_config(write_config(tmp_path / "changed.yaml", db_url, [member("new.jsonl")])).streams)
+        new = {**bench.tags, CONFIG_TAG: streams_fingerprint(changed)}
+        for ending in ("waits", "failed", "late"):
+            holder = bench.run(DagsterEventType.RUN_START)
+            lease = locks.acquire_group_lease(db_url, "relay", holder.run_id)
+            request, said, log = bench.decide(changed)
+            why = (f"the configuration of its streams changed ({CONFIG_TAG} {bench.tags[CONFIG_TAG]}, the code "
+                   f"location's {new[CONFIG_TAG]})")
+            if limit == 1:  # no successor can start beside it: it is asked to end, the next one follows
+                assert request is None and bench.status(holder) == (dg.DagsterRunStatus.STARTED, why), said
+                locks.give_up_group_lease(lease, "relay")
+                break
+            assert request is not None and request.tags == new, said
+            assert said == f"{holder.run_id}: {why}: its successor requested, it ends once that one waits", said
+            assert log == [f"reader group relay: group delivery run {holder.run_id}: {said.split(': ', 1)[1]}"]
+            assert bench.status(holder) == (dg.DagsterRunStatus.STARTED, None)  # it delivers on meanwhile
+            # (late: queued, it is not up; a started one that took no lease in run_grace_secs is dead, marked failed)
+            successor = bench.run(DagsterEventType.RUN_ENQUEUED if ending == "late" else DagsterEventType.RUN_START,
+                                  tags=new)
+            ended = threading.Event()
+            if ending == "waits":
+                bench.waiting(db_url, successor, ended)
+                _request, said, _log = bench.decide(changed)
+                assert said == (f"group delivery run {successor.run_id} (it waits for the group's delivery lease) "
+                                f"takes over from {holder.run_id}"), said
+                stop = f"its successor {successor.run_id} is up (the configuration of its streams changed)"
+            elif ending == "failed":
+                bench.move(successor, DagsterEventType.RUN_FAILURE)
+                _request, said, _log = bench.decide(changed)
+                stop = why
+            else:  # not waiting for the lease run_grace_secs (2 s) after it was requested
+                _request, said, _log = bench.decide(changed)
+                assert bench.status(holder) == (dg.DagsterRunStatus.STARTED, None), said
+                time.sleep(2.1)
+                _request, said, log = bench.decide(changed)
+                stop = (f"the configuration of its streams changed; its successor {successor.run_id} is not up 2 s "
+                        f"after it was requested (delivery.run_grace_secs)")
+                assert log == [f"reader group relay: group delivery run {holder.run_id} asked to end: {stop}"], log
+            assert bench.status(holder) == (dg.DagsterRunStatus.STARTED, stop), said
+            ended.set()
+            locks.give_up_group_lease(lease, "relay")
+            for run in (holder, successor):  # (ended, before the next case)
+                if bench.status(run)[0] == dg.DagsterRunStatus.STARTED:
+                    bench.move(run, DagsterEventType.RUN_SUCCESS)
 
 
 def test_two_databases_served_by_one_dagster_instance_each_run_their_group_default(
@@ -724,10 +812,11 @@ def _member(group: str, i: int, sink: Path) -> dict[str, Any]:
 def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance: dg.DagsterInstance,
                                           before: list[dict[str, Any]], after: list[dict[str, Any]],
                                           sinks: Callable[[int], list[Path]]) -> tuple[Driver, float]:
-    """The group run of ``before`` is live and delivering; the code location reloads with ``after``: the old run
-    ends within seconds (asked to by the group's sensor), one new run of ``after`` starts, and every event
-    written before, during and after arrives once, in commit order (through ``sinks(i)``, concatenated). The
-    driver, and how long the old run took to end after the reload."""
+    """The group run of ``before`` is live and delivering; the code location reloads with ``after``: the group's
+    sensor requests a run of ``after`` at once, and asks the old run to end once that one waits for the group's
+    lease (a hand-over: the new run was up before the old one ended); every event written before, during and
+    after arrives once, in commit order (through ``sinks(i)``, concatenated). The driver, and how long the old
+    run took to end after the reload."""
     name = str(before[0]["reader"])  # (the instance is the tests': its runs are told apart by their group)
     old_ids, new_ids = [s["id"] for s in before], [s["id"] for s in after]
     driver = Driver(write_config(tmp_path / "pgstream.yaml", db_url, before), instance)
@@ -751,21 +840,21 @@ def _reconfigured_while_a_group_run_lives(db_url: str, tmp_path: Path, instance:
 
     driver.reload(write_config(tmp_path / "pgstream2.yaml", db_url, after))
     reload_at = time.monotonic()
-    _tick(driver, name)  # the group's sensor alone: it registers a new member and asks the old run to end
+    _tick(driver, name)  # the group's sensor: it registers a new member and requests the old run's successor
     with psycopg.connect(db_url) as c:
         assert [r[0] for r in c.execute("select id from pgstream.streams where reader_group = %s order by id", [name])
                 ] == new_ids
-    (dagster_old,) = instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, name)}))
-    stop = dagster_old.tags.get("pgstream/stop", "")
-    assert stop.startswith("the configuration of its streams changed"), dagster_old.tags
-    for i in new_ids:  # written while the old run ends
+    (new, dagster_old) = instance.get_runs(dg.RunsFilter(tags={GROUP_TAG: group_tag_of(db_url, name)}))
+    assert dagster_old.run_id == old.run_id and "pgstream/stop" not in dagster_old.tags  # (it delivers meanwhile)
+    for i in new_ids:  # written while the old run hands over
         insert_events(db_url, i, 5, start=200)
+    stop = f"its successor {new.run_id} is up (the configuration of its streams changed)"
     until(lambda: not old.thread.is_alive(), new_ids, timeout=15)
     ended_after = time.monotonic() - reload_at
     assert old.wait(5).success
     ended = instance.get_run_by_id(dagster_old.run_id)
     assert ended is not None and ended.tags["pgstream/stop"] == stop
-    until(lambda: len(_runs(driver, name)) == 2, new_ids, timeout=30)  # the new run, once the old one ended
+    assert [r.run_id for r in _runs(driver, name)] == [old.run_id, new.run_id]  # up before the old one ended
     for i in new_ids:  # written to the new run
         insert_events(db_url, i, 5, start=300)
     until(lambda: all(len(delivered(i)) >= len(_events(db_url, i)) for i in new_ids), new_ids)
@@ -1303,8 +1392,8 @@ def test_a_publication_squatted_by_a_members_name_leaves_that_member_out_and_the
             f"{owner}, or it publishes more than pgstream.events): drop it")
     skips: list[str | None] = []
     deadline = time.monotonic() + 60
-    # the run of before is asked to end (configuration changed), a fresh one requested
-    while len(_runs(driver, "held")) < 2:
+    # the run of before is handed over (configuration changed) to a fresh one, and ends
+    while len(_runs(driver, "held")) < 2 or _runs(driver, "held")[0].thread.is_alive():
         assert time.monotonic() < deadline, skips
         skips.append(_tick(driver, "held"))
         time.sleep(0.1)
@@ -1547,8 +1636,8 @@ def test_a_members_invalid_entry_leaves_it_out_and_the_group_goes_on_recording_i
     assert "\n" not in (told or "")
     assert not any(str(s.name) == stream_sensor_name(1) for s in driver.defs.sensors or [])  # (members have none)
     deadline = time.monotonic() + 60
-    # the run of before is asked to end (configuration changed), a fresh one requested
-    while len(_runs(driver, "mixed")) < 2:
+    # the run of before is handed over (configuration changed) to a fresh one, and ends
+    while len(_runs(driver, "mixed")) < 2 or _runs(driver, "mixed")[0].thread.is_alive():
         assert time.monotonic() < deadline, skips[-3:]
         skips.append(_tick(driver, "mixed"))
         time.sleep(0.1)

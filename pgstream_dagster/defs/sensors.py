@@ -380,8 +380,11 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     (the sensor then retries its members' runs).
 
     The run holding the lease gets a successor :func:`~..engine.delivery.group.handover_lead` before its
-    ``max_run_secs``: requested then, it starts and waits for the lease; once it has started, the run it takes over
-    from is asked to end (:data:`~.names.STOP_TAG`), so the members' deliveries pause for the hand-over only.
+    ``max_run_secs``, and at once when the members' configuration changed (:func:`_succession_due`): requested then,
+    it starts and waits for the lease; once it waits, the run it takes over from is asked to end
+    (:data:`~.names.STOP_TAG`), so the members' deliveries pause for the hand-over only. A successor of a changed
+    configuration that cannot take over (the run queue allows one group run, it failed, or it does not wait within
+    ``delivery.run_grace_secs``) has the run asked to end all the same (:func:`_ask_to_end`): the next one follows.
 
     Members the database does not have in the group yet are registered first (one query when none is missing), even
     while an older group run's reader reads: it records them meanwhile and is asked to end (:func:`_ask_to_end`); the
@@ -398,7 +401,8 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     max_run_secs = min(s.delivery.tuning.max_run_secs for s in streams)
     # newest first: the lease's state once started, and whether it took it again after the database's absence
     live: list[tuple[dg.DagsterRun, locks.LeaseState | None, bool]] = []
-    for run in _group_runs(instance, conn, group, limit=5):
+    runs = _group_runs(instance, conn, group, limit=5)
+    for run in runs:
         if run.status not in _LIVE:
             continue
         lease, back = None, False
@@ -429,9 +433,8 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
             log.append(f"reader group {group}: group delivery run {run.run_id} died ({why}); marked failed")
             continue
         if holder is not None and run is not holder:  # its successor: it takes the lease once the holder has ended
-            if lease is locks.LeaseState.WAITING and STOP_TAG not in holder.tags:
-                instance.add_run_tags(holder.run_id, {STOP_TAG: f"its successor {run.run_id} is up (a fresh group "
-                                                                f"delivery run every delivery.tuning.max_run_secs)"})
+            if STOP_TAG not in holder.tags:
+                _hand_over(instance, holder, run, lease, group, grace, log)
             queued = ""
             if run.status == dg.DagsterRunStatus.QUEUED and (tag_run_limit(instance, GROUP_TAG) or 2) < 2:
                 queued = (f": the instance's run queue allows 1 run per {GROUP_TAG}, so it starts only once that "
@@ -439,13 +442,13 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
                           f"run_coordinator.config.tag_concurrency_limits in dagster.yaml")
             return None, f"group delivery run {run.run_id}{doing or f' ({run.status.value.lower()})'} takes over " \
                          f"from {holder.run_id}{queued}"
+        if run is holder and STOP_TAG not in run.tags:
+            successor_ended = any(r.status not in _LIVE for r in runs[:runs.index(run)])
+            due = _succession_due(conn, instance, group, run, fingerprint, max_run_secs, grace, successor_ended)
+            if due is not None:
+                log.append(f"reader group {group}: group delivery run {run.run_id}: {due}")
+                return _requested(conn, group, fingerprint), f"{run.run_id}: {due}"
         ending = _ask_to_end(instance, run, group, fingerprint, log)
-        if run is holder and not ending and STOP_TAG not in run.tags:
-            age = locks.group_lease_age(conn, group, run.run_id)
-            if age is not None and age >= max_run_secs - handover_lead(max_run_secs, grace):
-                return _requested(conn, group, fingerprint), (
-                    f"{run.run_id} has been open {age:.0f} s of {max_run_secs:g} (delivery.tuning.max_run_secs): "
-                    f"its successor requested")
         if doing:  # started: whether it holds its lease, or how long it has not taken it
             return None, f"group delivery run {run.run_id}{doing}{ending}"
         return None, f"group delivery run {run.run_id} ({run.status.value.lower()}{ending})"
@@ -458,6 +461,43 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     members = ", ".join(str(m.stream_id) for m in wanted)
     return _requested(conn, group, fingerprint), (
         f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
+
+
+def _succession_due(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, run: dg.DagsterRun,
+                    fingerprint: str, max_run_secs: float, grace: float, successor_ended: bool) -> str | None:
+    """Why the run holding the group's lease gets its successor requested now (``None``: not now): its members'
+    configuration changed (unless the run queue allows one group run, or a successor requested for it has ended
+    without taking over: it is asked to end instead, :func:`_ask_to_end`), or it is
+    :func:`~..engine.delivery.group.handover_lead` from its ``max_run_secs``."""
+    if run.tags.get(CONFIG_TAG) != fingerprint:
+        if successor_ended or (tag_run_limit(instance, GROUP_TAG) or 2) < 2:
+            return None
+        return (f"the configuration of its streams changed ({CONFIG_TAG} {run.tags.get(CONFIG_TAG) or 'none'}, the "
+                f"code location's {fingerprint}): its successor requested, it ends once that one waits")
+    age = locks.group_lease_age(conn, group, run.run_id)
+    if age is not None and age >= max_run_secs - handover_lead(max_run_secs, grace):
+        return (f"open {age:.0f} s of {max_run_secs:g} (delivery.tuning.max_run_secs): its successor requested, it "
+                f"ends once that one waits")
+    return None
+
+
+def _hand_over(instance: dg.DagsterInstance, holder: dg.DagsterRun, successor: dg.DagsterRun,
+               lease: locks.LeaseState | None, group: str, grace: float, log: list[str]) -> None:
+    """The run holding the group's lease is asked to end (:data:`~.names.STOP_TAG`) once its successor waits for
+    the lease; a successor of a changed configuration that does not wait ``grace`` seconds after it was requested
+    has it asked to end all the same (its members pause until the successor takes over)."""
+    changed = successor.tags.get(CONFIG_TAG) != holder.tags.get(CONFIG_TAG)
+    why = "the configuration of its streams changed" if changed else \
+        "a fresh group delivery run every delivery.tuning.max_run_secs"
+    if lease is locks.LeaseState.WAITING:
+        instance.add_run_tags(holder.run_id, {STOP_TAG: f"its successor {successor.run_id} is up ({why})"})
+        return
+    record = instance.get_run_record_by_id(successor.run_id) if changed else None
+    if record is not None and time.time() - record.create_timestamp.timestamp() >= grace:
+        reason = (f"{why}; its successor {successor.run_id} is not up {grace:g} s after it was requested "
+                  f"(delivery.run_grace_secs)")
+        instance.add_run_tags(holder.run_id, {STOP_TAG: reason})
+        log.append(f"reader group {group}: group delivery run {holder.run_id} asked to end: {reason}")
 
 
 def _requested(conn: psycopg.Connection, group: str, fingerprint: str) -> dg.RunRequest:
