@@ -77,6 +77,25 @@ def _config(path: Path, url: str, receivers: Webhook, count: int, group: str | N
         path.write_text(path.read_text() + yaml.safe_dump({"checks": checks}))
 
 
+RELOAD = ("mutation ($name: String!) { reloadRepositoryLocation(repositoryLocationName: $name) { __typename } }")
+
+
+def _reconfigure(dev: DagsterDev, at: float, path: Path) -> threading.Thread:
+    """At epoch ``at``: every stream's sink changed in ``path`` (its ``timeout_secs``) and the code location
+    reloaded, as a deploy does."""
+    def run() -> None:
+        time.sleep(max(0.0, at - time.time()))
+        config = yaml.safe_load(path.read_text())
+        for stream in config["streams"]:
+            stream["sink"]["timeout_secs"] = 11
+        path.write_text(yaml.safe_dump(config))
+        answer = dev.graphql(RELOAD, {"name": "pgstream"})
+        assert answer["data"]["reloadRepositoryLocation"]["__typename"] == "WorkspaceLocationEntry", answer
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def _location_loaded(dev: DagsterDev) -> bool:
     try:
         data = dev.graphql("{ workspaceOrError { ... on Workspace { locationEntries { loadStatus "
@@ -483,6 +502,8 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         start = time.time() + 1
         writer = multiprocessing.Process(target=_writer, args=(url, count, start, args.duration, str(out), 1))
         writer.start()
+        if args.reconfigure_at is not None:  # every stream's sink changed (its timeout): a new configuration
+            _reconfigure(dev, start + args.reconfigure_at, config)
         profiles = _profile(dev_pids, tmpdir / name, args.duration) if args.profile else []
         writer.join()
         if profiles:
@@ -600,6 +621,9 @@ def main() -> None:
     parser.add_argument("--max-run-secs", type=float,
                         help="every stream's delivery.tuning.max_run_secs (the group delivery run is replaced that "
                              "often)")
+    parser.add_argument("--reconfigure-at", type=float,
+                        help="seconds into the window: every stream's sink changed (its timeout_secs) and the code "
+                             "location reloaded, as a deploy does")
     parser.add_argument("--storage", default="pooled",
                         help="Dagster's storage, comma-separated for one phase each, in this order: pooled (the "
                              "repository's dagster.yaml), dagster-postgres (a connection per storage call)")
@@ -636,6 +660,8 @@ def main() -> None:
              f"Machine: {header}; load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}. "
              f"Method: bench/streams.py; one row a second on every stream's table for {args.duration:.0f}s; "
              + (f"every stream's delivery.tuning.max_run_secs {args.max_run_secs:g}; " if args.max_run_secs else "")
+             + (f"the configuration changed and the location reloaded {args.reconfigure_at:g}s into the window; "
+                if args.reconfigure_at is not None else "")
              + f"Postgres {'defaults' if args.postgres_defaults else 'devdb settings'} for slots and WAL senders; "
              + (f"every stream in reader group {args.group!r}." if args.group else "no reader: key (group default).")]
     failed = False
