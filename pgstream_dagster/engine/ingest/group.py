@@ -21,7 +21,7 @@ from ..handoff import Handoff
 from ..ledger import groups, recording
 from ..replication import Transaction
 from ..runlog import Log
-from .recorder import FOLLOW_CHECK_SECS, RECORD_EVERY_SECS, Batching, Recorder, StreamLedger, record_pass
+from .recorder import FOLLOW_CHECK_SECS, Batching, Recorder, StreamLedger, record_pass
 from .source import PeekSource, StreamSource
 
 #: how long creating the group's slot waits for running transactions (then ``replication.SlotCreationWaits``)
@@ -474,7 +474,7 @@ def _peek_group(conn: psycopg.Connection, group: str, streams: list[StreamConfig
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        time.sleep(min(0.05 if recorder.pending.txns else POLL_SECS, remaining))
+        time.sleep(min(max(recorder.until_due(POLL_SECS), 0.005), remaining))
 
 
 def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recorder: Recorder,
@@ -486,7 +486,7 @@ def _follow_group(conn: psycopg.Connection, group: str, kept: GroupStream, recor
     assert source is not None
     while True:
         remaining = deadline - time.monotonic()
-        recorder.read(max(0.0, min(RECORD_EVERY_SECS if recorder.pending.txns else 0.5, remaining)))
+        recorder.read(max(0.0, min(recorder.until_due(0.5), remaining)))
         if recorder.due() and not _record(conn, group, recorder, ledgers, until, result):
             break
         now = time.monotonic()

@@ -163,6 +163,14 @@ class Recorder:
         return self.rule.due(self.pending, drained=self.source.drained, now=dt.datetime.now(dt.UTC),
                              since_record=time.monotonic() - self.recorded_at)
 
+    def until_due(self, idle: float) -> float:
+        """How long the next read may wait: ``idle`` with nothing waiting, else until what waits is due once the
+        source is drained (:data:`RECORD_EVERY_SECS` after the last record), not a whole :data:`RECORD_EVERY_SECS`
+        from now: commits that arrive at a steady pace are recorded as they arrive, not each one that long later."""
+        if not self.pending.txns:
+            return idle
+        return max(0.0, RECORD_EVERY_SECS - (time.monotonic() - self.recorded_at))
+
     def record(self, *, give_up: Callable[[], bool] | None = None) -> bool:
         """Record what waits, then confirm it to the source; false, with nothing recorded or confirmed, once
         the loop is no longer the declared reader of a stream."""
