@@ -1947,6 +1947,43 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
     _end_group_runs(driver)
 
 
+def test_a_tick_leaves_the_slot_to_a_group_run_whose_reader_starts_during_it(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group run that has started (one taking over from another, or back from an error) reads the group's slot
+    at the first slice boundary of a tick that found the reading free, not once the tick (``tick_budget_secs``, 8 s
+    here) has ended: with a group run started, the tick leaves the reading free between its slices long enough for
+    the run's reader, which tries every READ_RETRY_SECS. The sensor read once; every event arrives once, in order."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    monkeypatch.setattr(group_delivery, "READ_SECS", 1.0)
+    readers = Readers(monkeypatch)
+    reader = group_delivery.GroupDelivery._read
+
+    def after_the_tick_began_reading(self: group_delivery.GroupDelivery) -> None:
+        deadline = time.monotonic() + 60
+        while readers.by("sensor") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reader(self)
+
+    monkeypatch.setattr(group_delivery.GroupDelivery, "_read", after_the_tick_began_reading)
+    ids = [1, 2]
+    driver = _live_group(db_url, tmp_path, instance, ids, tick_budget_secs=8)
+    for i in ids:
+        insert_events(db_url, i, 5)
+    _tick(driver, "live")  # 8 s: it reads a slice, then the run's reader takes over
+    assert readers.by("sensor") == 1 and readers.by("run") >= 1, readers.calls
+    assert readers.most == 1 and all(held for _, held in readers.calls), readers.calls
+    for i in ids:
+        insert_events(db_url, i, 5, start=100)
+    deadline = time.monotonic() + 30
+    while not all(len(_delivered(tmp_path, i)) >= 10 for i in ids):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    for i in ids:
+        assert _delivered(tmp_path, i) == _events(db_url, i), i
+    _end_group_runs(driver)
+
+
 def test_a_group_run_whose_server_goes_away_fails_in_one_line(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
     """The group delivery run's server going away mid-run (a crash, a failover) fails the run with one line

@@ -37,7 +37,7 @@ from ..engine import limits, replication
 from ..engine.batches import NO_RUN, RunOrder, RunStatus, RunView, StreamState, decide, tick_notes
 from ..engine.collector import fewer_collections
 from ..engine.dbconn import database_key, describe_url, error_line, server_gone
-from ..engine.delivery.group import handover_lead, member_run_id
+from ..engine.delivery.group import READ_RETRY_SECS, handover_lead, member_run_id
 from ..engine.ingest import GroupResult, consume_group, group_log, unconfigured
 from ..engine.ledger import groups, locks
 from ..engine.ledger import state as ledger_state
@@ -644,7 +644,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
             return _told(context, f"cannot connect to the database ({describe_url(pgstream.database_url)}, from "
                                   f"database_url): {error_line(exc)}")
         with connection as conn:
-            if not any(r.status in _LIVE for r in _group_runs(context.instance, conn, group, limit=5)):
+            runs = _group_runs(context.instance, conn, group, limit=5)
+            if not any(r.status in _LIVE for r in runs):
                 # the group run's process takes seconds to start: requested first, and this tick ends (the
                 # next one reads and decides meanwhile, or the run's reader reads once it is up)
                 notes_: list[str] = []
@@ -658,8 +659,11 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                                            cursor=json.dumps(cursor, sort_keys=True, default=str))
             # one reader of the group's slot at a time: the tick reads only when the group run's reader does not
             # (its lock ends with its session), in slices of DECIDE_EVERY_SECS, deciding for the members after each:
-            # what it recorded is handed on within a second, and the group run's reader, once up, takes the reading
-            # over between slices. (Without a live group run, its members all in mode per_batch: the whole budget.)
+            # what it recorded is handed on within a second. With a group run started, the tick leaves the reading
+            # free for a moment between slices, so the run's reader (which tries every READ_RETRY_SECS) takes it over
+            # at the first one: a run that took over from another reads at once, not after this tick. (Without a
+            # live group run, its members all in mode per_batch: the whole budget.)
+            started = any(r.status == dg.DagsterRunStatus.STARTED for r in runs)
             result, observed = GroupResult(), list[dg.AssetObservation]()
             own_runs: list[dg.RunRequest] = []  # the runs of members in mode per_batch (Dagster runs of their own)
             waits: dict[int, str | None] = {}  # what the runs of members in mode per_batch are doing
@@ -684,6 +688,8 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 decide()
                 if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
                     break
+                if started:  # (the run's reader takes the reading now, or the tick reads on)
+                    time.sleep(min(READ_RETRY_SECS + 0.05, max(0.0, deadline - time.monotonic())))
             notes_ = []
             request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
             # the group run's reader records: a batch it records for a member without a run waits for a decision,
