@@ -1698,6 +1698,26 @@ class Readers:
         return sum(1 for w, _ in self.calls if w == who)
 
 
+def _readers_with_the_run_after_a_tick(monkeypatch: pytest.MonkeyPatch) -> Readers:
+    """:class:`Readers`, the group run's reader calling ``consume_group`` for a second at a time (not 5) and
+    starting only once a tick of the sensor has begun to read (a run's process starts within a second in the
+    daemon's absence: no tick would find the reading free otherwise)."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    monkeypatch.setattr(group_delivery, "READ_SECS", 1.0)
+    readers = Readers(monkeypatch)
+    reader = group_delivery.GroupDelivery._read
+
+    def after_a_tick_read(self: group_delivery.GroupDelivery) -> None:
+        deadline = time.monotonic() + 60
+        while readers.by("sensor") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reader(self)
+
+    monkeypatch.setattr(group_delivery.GroupDelivery, "_read", after_a_tick_read)
+    return readers
+
+
 def _live_group(db_url: str, tmp_path: Path, instance: dg.DagsterInstance, ids: list[int], *,
                 tick_budget_secs: float = 0.1) -> Driver:
     """A group ``live`` of streams in mode open (file sinks), its sensor ticked once: its delivery run starts
@@ -1911,21 +1931,7 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
     """Exactly one reader of the group's slot: the group's sensor ticking without pause while its delivery run
     starts and reads (each taking the group's reading for what it reads), events committing all along: never
     two ``consume_group`` at once, each by the session holding the group's reading."""
-    from pgstream_dagster.engine.delivery import group as group_delivery
-
-    monkeypatch.setattr(group_delivery, "READ_SECS", 1.0)  # the run's reader's calls: a second each, not 5
-    readers = Readers(monkeypatch)
-    reader = group_delivery.GroupDelivery._read
-
-    def after_a_tick_read(self: group_delivery.GroupDelivery) -> None:
-        """The run's reader starts once a tick of the sensor has read (it starts within a second in the
-        daemon's absence: a tick might otherwise never find the reading free)."""
-        deadline = time.monotonic() + 30
-        while readers.by("sensor") < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        reader(self)
-
-    monkeypatch.setattr(group_delivery.GroupDelivery, "_read", after_a_tick_read)
+    readers = _readers_with_the_run_after_a_tick(monkeypatch)
     ids = [1, 2]
     driver = _live_group(db_url, tmp_path, instance, ids)
     deadline = time.monotonic() + 60
@@ -1953,19 +1959,7 @@ def test_a_tick_leaves_the_slot_to_a_group_run_whose_reader_starts_during_it(
     at the first slice boundary of a tick that found the reading free, not once the tick (``tick_budget_secs``, 8 s
     here) has ended: with a group run started, the tick leaves the reading free between its slices long enough for
     the run's reader, which tries every READ_RETRY_SECS. The sensor read once; every event arrives once, in order."""
-    from pgstream_dagster.engine.delivery import group as group_delivery
-
-    monkeypatch.setattr(group_delivery, "READ_SECS", 1.0)
-    readers = Readers(monkeypatch)
-    reader = group_delivery.GroupDelivery._read
-
-    def after_the_tick_began_reading(self: group_delivery.GroupDelivery) -> None:
-        deadline = time.monotonic() + 60
-        while readers.by("sensor") < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        reader(self)
-
-    monkeypatch.setattr(group_delivery.GroupDelivery, "_read", after_the_tick_began_reading)
+    readers = _readers_with_the_run_after_a_tick(monkeypatch)
     ids = [1, 2]
     driver = _live_group(db_url, tmp_path, instance, ids, tick_budget_secs=8)
     for i in ids:
