@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,20 +81,29 @@ def _config(path: Path, url: str, receivers: Webhook, count: int, group: str | N
 RELOAD = ("mutation ($name: String!) { reloadRepositoryLocation(repositoryLocationName: $name) { __typename } }")
 
 
-def _reconfigure(dev: DagsterDev, at: float, path: Path) -> threading.Thread:
+def _reconfigure(dev: DagsterDev, at: float, path: Path) -> Callable[[], None]:
     """At epoch ``at``: every stream's sink changed in ``path`` (its ``timeout_secs``) and the code location
-    reloaded, as a deploy does."""
+    reloaded, as a deploy does. Returns what to call once the window has ended: it raises unless the reload
+    was done (a phase that measured no reload must not be reported as one)."""
+    answers: list[Any] = []
+
     def run() -> None:
         time.sleep(max(0.0, at - time.time()))
         config = yaml.safe_load(path.read_text())
         for stream in config["streams"]:
             stream["sink"]["timeout_secs"] = 11
         path.write_text(yaml.safe_dump(config))
-        answer = dev.graphql(RELOAD, {"name": "pgstream"})
-        assert answer["data"]["reloadRepositoryLocation"]["__typename"] == "WorkspaceLocationEntry", answer
+        answers.append(dev.graphql(RELOAD, {"name": "pgstream"}))
+
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    return thread
+
+    def done() -> None:
+        thread.join(60)
+        entry = (answers[0].get("data") or {}).get("reloadRepositoryLocation") or {} if answers else {}
+        if entry.get("__typename") != "WorkspaceLocationEntry":
+            raise RuntimeError(f"the reload --reconfigure-at asked for was not done: {answers or 'no answer'}")
+    return done
 
 
 def _location_loaded(dev: DagsterDev) -> bool:
@@ -502,10 +512,12 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         start = time.time() + 1
         writer = multiprocessing.Process(target=_writer, args=(url, count, start, args.duration, str(out), 1))
         writer.start()
-        if args.reconfigure_at is not None:  # every stream's sink changed (its timeout): a new configuration
-            _reconfigure(dev, start + args.reconfigure_at, config)
+        reconfigured = _reconfigure(dev, start + args.reconfigure_at, config) \
+            if args.reconfigure_at is not None else None  # every stream's sink changed: a new configuration
         profiles = _profile(dev_pids, tmpdir / name, args.duration) if args.profile else []
         writer.join()
+        if reconfigured is not None:
+            reconfigured()
         if profiles:
             result["profiles"] = _profiled(profiles)
         result["postgres_busy"] = sampler.top()
