@@ -483,6 +483,61 @@ def test_a_successor_waits_for_the_groups_lease_and_takes_over_as_the_run_it_suc
             assert out(i) == sent, i  # each once, in commit order
 
 
+def test_a_member_whose_run_still_closes_in_the_run_taken_over_from_is_hosted_once_that_one_lets_it_go(
+        db_url: str, tmp_path: Path) -> None:
+    """The run a group delivery run took over from gave the group's lease up while its member run of stream 1 still
+    closes (its sink call under way: it holds stream 1's delivery lease). The new run hosts stream 2 at once and
+    leaves stream 1 alone (no run of it started and failed on the lease), then hosts it within a poll once the
+    lease is free: each stream's events delivered once, in commit order."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    ids = [1, 2]
+    path = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "reader": "closing", "batch": {"max_size": 50, "max_fill_secs": 0},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
+    streams = list(load_config(path).streams)
+    logs, ended, outcome = Log(), dict[int, str | None](), list[str]()
+    stopping = threading.Event()
+    host = group_delivery.GroupHost("new", logs, lambda stream, member: Host(member, logs), claim=lambda wanted: wanted,
+                                    ended=lambda stream_id, _key, error: ended.__setitem__(stream_id, error),
+                                    stop_check=lambda: "the test ends" if stopping.is_set() else None)
+    delivery = group_delivery.GroupDelivery("closing", streams, db_url, db_url, host, max_run_secs=300,
+                                            run_grace_secs=120)
+
+    def out(i: int) -> list[int]:
+        sink = tmp_path / f"out{i}.jsonl"
+        return [e["id"] for e in read_jsonl(sink)] if sink.exists() else []
+
+    with psycopg.connect(db_url, autocommit=True) as c:
+        def until(done: Callable[[], bool], timeout: float = 10) -> None:
+            deadline = time.monotonic() + timeout
+            while not done():
+                assert time.monotonic() < deadline and thread.is_alive(), (ended, logs.lines[-5:])
+                ingest.consume_group(c, "closing", streams, 0.05)
+
+        ingest.consume_group(c, "closing", streams, 0)
+        for i in ids:  # the members' runs, as their sensor decided them (stream 1's still in the old run)
+            assert state.open_warm_run(c, i, f"warm-{i}")
+        old = locks.acquire_lease(db_url, 1, "old/1")
+        thread = threading.Thread(target=lambda: outcome.append(delivery.run()), daemon=True)
+        thread.start()
+        for i in ids:
+            insert_events(db_url, i, 10)
+        until(lambda: len(out(2)) == 10)
+        time.sleep(1.5)  # (the run looks at what its members want every second)
+        assert not out(1) and not ended and locks.lease_state(c, "new/1") is locks.LeaseState.NOT_TAKEN, logs.lines
+        locks.give_up_lease(old, 1)  # the old run's member let it go (its key left open: an outage, say)
+        until(lambda: len(out(1)) == 10)
+        assert not ended and locks.lease_state(c, "new/1") is locks.LeaseState.HELD
+        stopping.set()
+        thread.join(30)
+        assert outcome == ["the test ends"] and set(ended) == {1, 2}, (outcome, ended)
+        for i in ids:
+            sent = [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id", [i])]
+            assert out(i) == sent, i  # each once, in commit order
+
+
 def test_a_groups_members_share_one_lease_session_and_one_whose_session_ended_publishes_nothing(
         db_url: str, tmp_path: Path) -> None:
     """A group delivery run's members hold their leases on one session of its own and take a pooled connection

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from pgstream_dagster.config import DEFAULT_READER, StreamConfig, load_config, streams_fingerprint
-from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, GROUP_TAG, STREAM_TAG, stream_sensor_name
+from pgstream_dagster.defs.names import GROUP_DELIVERY_JOB, GROUP_TAG, STREAM_TAG, member_tag, stream_sensor_name
 from pgstream_dagster.devdb import LocalPostgres, ensure_running
 from pgstream_dagster.engine import ingest, limits, migrations, replication
 from pgstream_dagster.engine.bootstrap import init
@@ -442,6 +442,34 @@ def test_the_sensor_hands_a_group_run_over_to_its_successor_and_fails_one_that_d
         assert request is None and said == f"group delivery run {holder.run_id} (it holds the group's delivery lease)"
         ended.set()
         locks.give_up_group_lease(lease, "relay")
+
+
+def test_a_group_run_that_gave_its_lease_up_is_alive_while_a_member_run_of_it_closes(
+        db_url: str, dagster_storage_url: str, tmp_path: Path) -> None:
+    """A group run gives the group's lease to its successor at once, while a member's run of it still closes (a
+    sink call under way, its stream's delivery lease held): with that successor gone meanwhile, the group's sensor
+    takes the run for ending, not dead, however long after its start; once no member run of it holds a lease, it
+    is a started run without a lease past ``run_grace_secs``: marked failed, and a fresh group run requested."""
+    from dagster._core.events import DagsterEventType
+
+    from pgstream_dagster.engine.delivery.group import member_run_id
+
+    member = {"id": 1, "reader": "relay", "delivery": {"mode": "open", "run_grace_secs": 1},
+              "sink": {"type": "file", "path": str(tmp_path / "out1.jsonl")}}
+    with _SensorBench.of(db_url, dagster_storage_url, tmp_path, 2, [member]) as bench:
+        ending = bench.run(DagsterEventType.RUN_START)
+        closing = locks.acquire_lease(db_url, 1, member_run_id(ending.run_id, 1))
+        time.sleep(1.1)
+        request, said, log = bench.decide()
+        assert request is None and not log and said == (f"group delivery run {ending.run_id} (it gave the group's "
+                                                         f"delivery lease up: its members' runs close)"), said
+        assert bench.status(ending)[0] == dg.DagsterRunStatus.STARTED
+        locks.give_up_lease(closing, 1)
+        request, said, log = bench.decide()
+        assert bench.status(ending)[0] == dg.DagsterRunStatus.FAILURE
+        assert log == [f"reader group relay: group delivery run {ending.run_id} died (no group delivery lease 1 s "
+                       f"after it started (delivery.run_grace_secs)); marked failed"], log
+        assert request is not None, said
 
 
 @pytest.mark.parametrize("limit", [2, 1])
@@ -931,8 +959,9 @@ def test_a_member_without_an_entry_is_recorded_and_told_and_the_others_are_deliv
     assert delivered(3) == []
 
     driver.reload(write_config(tmp_path / "pgstream2.yaml", db_url, list(members.values())))
-    tick_until(lambda: delivered(3) == _events(db_url, 3), "stream 3 once configured")
-    assert len(_runs(driver, "refused")) == 2 and not old.thread.is_alive()
+    tick_until(lambda: delivered(3) == _events(db_url, 3) and not old.thread.is_alive(),
+               "stream 3 once configured, the old run ended")  # (it gives way before its members' runs closed)
+    assert len(_runs(driver, "refused")) == 2
 
     driver.reload(write_config(tmp_path / "pgstream3.yaml", db_url, [members[1], members[3]]))
     # the run of the configuration with stream 2's entry is asked to end (until then it may deliver what commits)
@@ -1599,6 +1628,86 @@ def test_members_whose_publish_calls_hang_hold_no_other_member_back(
             assert time.monotonic() < deadline, (len(hanging.unique()), len(everything))
             _tick(driver, DEFAULT_READER)
             time.sleep(0.1)
+        _end_group_runs(driver)
+    finally:
+        release.set()
+        hanging.down()
+
+
+def test_a_members_hanging_publish_call_holds_no_other_member_back_across_a_hand_over(
+        db_url: str, tmp_path: Path, instance: dg.DagsterInstance) -> None:
+    """Stream 1's webhook hangs in a call (up to its 30 s timeout) when the code location reloads with another
+    configuration (stream 3's batch size): the group run's successor is requested and the old run is asked to end
+    once it waits. The old run gives the group's lease and its reading up at once and its other members close: the
+    successor hosts streams 2 and 3 while stream 1's call still hangs in the old run (which holds stream 1's
+    delivery lease until the call returns), so what they commit meanwhile is delivered within seconds, not after
+    the call. Released, the old run delivers what it holds of stream 1, closes and ends; the successor takes
+    stream 1 over. Every event once, in commit order; both runs succeed."""
+    hanging, release, armed = Endpoint(), threading.Event(), threading.Event()
+
+    def hang(_request: int) -> None:  # once armed, every call waits until the test lets it through
+        if armed.is_set():
+            release.wait(120)
+
+    hanging.hook = hang
+
+    def member(i: int, size: int = 50) -> dict[str, Any]:
+        return {**_member("handing", i, tmp_path / f"out{i}.jsonl"), "batch": {"max_size": size, "max_fill_secs": 0},
+                **({"sink": hanging.sink()} if i == 1 else {})}
+
+    def delivered(i: int) -> list[int]:
+        return sorted(hanging.unique()) if i == 1 else _delivered(tmp_path, i)
+
+    try:
+        config = write_config(tmp_path / "pgstream.yaml", db_url, [member(i) for i in (1, 2, 3)])
+        init(config)
+        driver = Driver(config, instance)
+
+        def until(what: str, done: Callable[[], bool], timeout: float) -> None:
+            deadline = time.monotonic() + timeout
+            while not done():
+                assert time.monotonic() < deadline, f"{what}: {({i: len(delivered(i)) for i in (1, 2, 3)})}"
+                _tick(driver, "handing")
+                time.sleep(0.1)
+
+        for i in (1, 2, 3):
+            insert_events(db_url, i, 5)
+        until("the first events", lambda: all(len(delivered(i)) == 5 for i in (1, 2, 3)), 60)
+        (old,) = _runs(driver, "handing")
+        armed.set()
+        calls = hanging.requests
+        insert_events(db_url, 1, 5, start=100)
+        until("stream 1's call", lambda: hanging.requests > calls, 20)
+
+        driver.reload(write_config(tmp_path / "pgstream2.yaml", db_url, [member(1), member(2), member(3, 60)]))
+        _tick(driver, "handing")  # the successor requested: it waits for the group's lease
+
+        def closed() -> bool:
+            """The old run was asked to end, and its members' runs of streams 2 and 3 have closed."""
+            run = instance.get_run_by_id(old.run_id or "")
+            return run is not None and "pgstream/stop" in run.tags and all(
+                json.loads(run.tags.get(member_tag(i), "{}")).get("state") == "ended" for i in (2, 3))
+        until("the old run's members closed", closed, 15)
+        for i in (2, 3):
+            insert_events(db_url, i, 5, start=200)
+        until("streams 2 and 3 after the old run's members closed",
+              lambda: all(len(delivered(i)) == 10 for i in (2, 3)), 10)
+        runs = _runs(driver, "handing")
+        assert len(runs) == 2 and old.thread.is_alive(), [r.described() for r in runs]  # (stream 1's call hangs)
+        assert hanging.unique() == set(_events(db_url, 1)[:5])
+        with psycopg.connect(db_url, autocommit=True) as c:
+            assert locks.group_lease_state(c, "handing", runs[1].run_id or "") is locks.LeaseState.HELD
+        for i in (2, 3):
+            insert_events(db_url, i, 5, start=300)
+        until("streams 2 and 3 by the successor", lambda: all(len(delivered(i)) == 15 for i in (2, 3)), 15)
+
+        release.set()
+        insert_events(db_url, 1, 5, start=400)
+        until("stream 1", lambda: hanging.unique() == set(_events(db_url, 1)), 60)
+        until("the old run's end", lambda: not old.thread.is_alive(), 30)
+        assert hanging.first_seen_order() == _events(db_url, 1)  # every event, in commit order
+        for i in (2, 3):
+            assert delivered(i) == _events(db_url, i), i  # every event once, in commit order
         _end_group_runs(driver)
     finally:
         release.set()

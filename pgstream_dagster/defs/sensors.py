@@ -424,6 +424,10 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         elif lease is locks.LeaseState.NOT_TAKEN:  # (the run's record only then: Dagster reads it costly)
             late, doing = _not_taken(instance, run, grace, time.time())
             doing = f": {doing}"
+            if late and locks.LeaseState.HELD in locks.lease_states(
+                    conn, [member_run_id(run.run_id, s.id) for s in streams]).values():
+                # it gave the group's lease to its successor while a member's run of it closes (a sink call)
+                late, doing = False, " (it gave the group's delivery lease up: its members' runs close)"
         if lease is locks.LeaseState.LOST or late:
             why = ("the database session holding the group's delivery lease has ended (its process died)"
                    if lease is locks.LeaseState.LOST else

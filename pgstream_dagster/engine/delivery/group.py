@@ -162,6 +162,8 @@ class GroupDelivery:
             if self._stop_reason is not None:
                 if not self._members:
                     return self._stop_reason
+                if not self._reading_ends.is_set() and locks.group_successor_waits(lease, self.group):
+                    self._give_way(lease)
                 self._wait(lease, channels, 0.2)
                 continue
             self._watch(lease)
@@ -170,8 +172,13 @@ class GroupDelivery:
                       if m.stream_id in by_id and by_id[m.stream_id].delivery.keeps_open]
             self._resume_interrupted(wanted)
             wanted = [m for m in wanted if m.run_key not in self.hosted]
-            # (a member whose previous run is still ending waits for it)
+            # (a member whose previous run is still ending waits for it: in this run, or in the run this one took
+            # over from, whose member holds the stream's delivery lease until its sink call returns)
             starting = [m for m in wanted if m.stream_id not in self._members]
+            if starting:
+                held = locks.delivery_lease_holders(lease, [m.stream_id for m in starting])
+                starting = [m for m in starting if held.get(m.stream_id, self._member_id(m.stream_id))
+                            == self._member_id(m.stream_id)]
             self.hosted.update(m.run_key for m in starting)
             claimed = set(self.host.claim([(m.stream_id, m.run_key) for m in starting])) if starting else set()
             for order in starting:
@@ -347,6 +354,18 @@ class GroupDelivery:
                 with suppress(psycopg.Error):
                     locks.release_group_reading(conn, self.group)
                 conn.close()
+
+    def _give_way(self, lease: psycopg.Connection) -> None:
+        """Ending with members' runs still closing (a sink call under way) while a successor waits: the group's
+        lease and its reading are given up at once, so the successor hosts the members that closed (and reads)
+        while these finish; each still holds its stream's delivery lease, which the successor waits for."""
+        self._reading_ends.set()
+        locks.give_up_group_lease(lease, self.group, close=False)
+        self.host.log.info(f"reader group {self.group}: its successor waits: the group's lease and the reading of its "
+                           f"slot given up; the members' runs still open close meanwhile")
+
+    def _member_id(self, stream_id: int) -> str:
+        return member_run_id(self.host.run_id, stream_id)
 
     def _stop(self, reason: str) -> None:
         self._stop_reason = reason

@@ -374,6 +374,18 @@ def group_lease_state(conn: psycopg.Connection, group: str, run_id: str) -> Leas
     return LeaseState.LOST if rows else LeaseState.NOT_TAKEN
 
 
+def group_successor_waits(conn: psycopg.Connection, group: str) -> bool:
+    """Whether a live group delivery run waits for reader group ``group``'s lease (:func:`acquire_group_lease`)."""
+    return lock_holder(conn, _group_lock(group, GROUP_WAIT_LOCK), 0) is not None
+
+
+def delivery_lease_holders(conn: psycopg.Connection, stream_ids: list[int]) -> dict[int, str]:
+    """The runs whose live sessions hold the delivery leases of ``stream_ids`` (the free ones left out)."""
+    return {int(key): str(holder) for key, holder in conn.execute(
+        "select l.key, l.holder from pgstream.locks l where l.name = %s and l.key = any(%s) and l.pid is not null "
+        "and pgstream.backend_alive(l.pid, l.backend_start, l.usesysid)", [DELIVERY_LOCK, stream_ids])}
+
+
 def group_lease_age(conn: psycopg.Connection, group: str, run_id: str) -> float | None:
     """How long group delivery run ``run_id`` has held reader group ``group``'s lease (seconds; None: it does not)."""
     row = conn.execute("select extract(epoch from clock_timestamp() - l.taken_at)::float8 from pgstream.locks l "
@@ -383,9 +395,13 @@ def group_lease_age(conn: psycopg.Connection, group: str, run_id: str) -> float 
     return None if row is None else float(row[0])
 
 
-def give_up_group_lease(conn: psycopg.Connection, group: str) -> None:
-    """A group delivery run that ends (short of its process dying) gives the group's lease up."""
-    _give_up(conn, _group_lock(group), 0)
+def give_up_group_lease(conn: psycopg.Connection, group: str, *, close: bool = True) -> None:
+    """A group delivery run that ends (short of its process dying) gives the group's lease up; ``close=False``: the
+    connection stays open (a run that gives way to its successor while its members' runs close)."""
+    if close:
+        _give_up(conn, _group_lock(group), 0)
+    else:
+        unlock(conn, _group_lock(group), 0)
 
 
 def claim_group_reading(conn: psycopg.Connection, group: str, holder: str) -> bool:
