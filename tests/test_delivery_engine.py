@@ -221,6 +221,36 @@ def _delivered(tmp_path: Path, n: int) -> Callable[[], bool]:
     return lambda: len(_ids(tmp_path)) >= n
 
 
+def _file_members(tmp_path: Path, db_url: str, group: str, ids: list[int]) -> list[StreamConfig]:
+    """Streams ``ids`` of reader group ``group`` in mode open (batches of 50 at most), each to ``out<id>.jsonl``."""
+    return list(load_config(write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "reader": group, "batch": {"max_size": 50, "max_fill_secs": 0},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
+         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])).streams)
+
+
+def _group_run(group: str, streams: list[StreamConfig], db_url: str, run_id: str, logs: Log,
+               claim: Callable[[list[tuple[int, str]]], list[tuple[int, str]]] = lambda wanted: wanted,
+               ) -> tuple[Any, dict[int, str | None], threading.Event]:
+    """A group delivery run ``run_id`` of ``streams`` without Dagster (``max_run_secs`` 300): the run, what each
+    member's run ended with (stream id: its error, None when it closed), and the event that asks it to end."""
+    from pgstream_dagster.engine.delivery import group as group_delivery
+
+    ended: dict[int, str | None] = {}
+    stopping = threading.Event()
+    host = group_delivery.GroupHost(run_id, logs, lambda stream, member: Host(member, logs), claim=claim,
+                                    ended=lambda stream_id, _key, error: ended.__setitem__(stream_id, error),
+                                    stop_check=lambda: "the test ends" if stopping.is_set() else None)
+    return (group_delivery.GroupDelivery(group, streams, db_url, db_url, host, max_run_secs=300, run_grace_secs=120),
+            ended, stopping)
+
+
+def _out(tmp_path: Path, i: int) -> list[int]:
+    """The event ids in stream ``i``'s file sink (``out<i>.jsonl``), in order."""
+    sink = tmp_path / f"out{i}.jsonl"
+    return [e["id"] for e in read_jsonl(sink)] if sink.exists() else []
+
+
 def _wait(done: Callable[[], bool], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not done():
@@ -390,11 +420,7 @@ def test_a_successor_waits_for_the_groups_lease_and_takes_over_as_the_run_it_suc
     from pgstream_dagster.engine.delivery import group as group_delivery
 
     ids = [1, 2]
-    path = write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": i, "reader": "relay", "batch": {"max_size": 50, "max_fill_secs": 0},
-         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
-         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
-    streams = list(load_config(path).streams)
+    streams = _file_members(tmp_path, db_url, "relay", ids)
     logs = Log()
     asked: set[str] = set()  # the runs asked to end
     outcome: dict[str, Any] = {}
@@ -489,25 +515,13 @@ def test_a_member_whose_run_still_closes_in_the_run_taken_over_from_is_hosted_on
     closes (its sink call under way: it holds stream 1's delivery lease). The new run hosts stream 2 at once and
     leaves stream 1 alone (no run of it started and failed on the lease), then hosts it within a poll once the
     lease is free: each stream's events delivered once, in commit order."""
-    from pgstream_dagster.engine.delivery import group as group_delivery
-
     ids = [1, 2]
-    path = write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": i, "reader": "closing", "batch": {"max_size": 50, "max_fill_secs": 0},
-         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
-         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
-    streams = list(load_config(path).streams)
-    logs, ended, outcome = Log(), dict[int, str | None](), list[str]()
-    stopping = threading.Event()
-    host = group_delivery.GroupHost("new", logs, lambda stream, member: Host(member, logs), claim=lambda wanted: wanted,
-                                    ended=lambda stream_id, _key, error: ended.__setitem__(stream_id, error),
-                                    stop_check=lambda: "the test ends" if stopping.is_set() else None)
-    delivery = group_delivery.GroupDelivery("closing", streams, db_url, db_url, host, max_run_secs=300,
-                                            run_grace_secs=120)
+    streams = _file_members(tmp_path, db_url, "closing", ids)
+    logs, outcome = Log(), list[str]()
+    delivery, ended, stopping = _group_run("closing", streams, db_url, "new", logs)
 
     def out(i: int) -> list[int]:
-        sink = tmp_path / f"out{i}.jsonl"
-        return [e["id"] for e in read_jsonl(sink)] if sink.exists() else []
+        return _out(tmp_path, i)
 
     with psycopg.connect(db_url, autocommit=True) as c:
         def until(done: Callable[[], bool], timeout: float = 10) -> None:
@@ -545,27 +559,14 @@ def test_a_groups_members_share_one_lease_session_and_one_whose_session_ended_pu
     as a cut connection or a server restart would end it), every member's lease is lost at once: another run
     may take them; a member whose lease another run took publishes nothing of the batch it is handed (its
     pause gate checks the lease) and fails in one line, an idle one closes at its next look."""
-    from pgstream_dagster.engine.delivery import group as group_delivery
 
     ids = [1, 2, 3]
-    path = write_config(tmp_path / "pgstream.yaml", db_url, [
-        {"id": i, "reader": "shared", "batch": {"max_size": 50, "max_fill_secs": 0},
-         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
-         "sink": {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}} for i in ids])
-    streams = list(load_config(path).streams)
-    ended: dict[int, str | None] = {}
+    streams = _file_members(tmp_path, db_url, "shared", ids)
     logs = Log()
-    stopping = threading.Event()
-    host = group_delivery.GroupHost("grp", logs, lambda stream, run_id: Host(run_id, logs),
-                                    claim=lambda wanted: wanted,
-                                    ended=lambda stream_id, _key, error: ended.__setitem__(stream_id, error),
-                                    stop_check=lambda: "the test ends" if stopping.is_set() else None)
-    delivery = group_delivery.GroupDelivery("shared", streams, db_url, db_url, host, max_run_secs=300,
-                                              run_grace_secs=120)
+    delivery, ended, stopping = _group_run("shared", streams, db_url, "grp", logs)
 
     def out(i: int) -> list[int]:
-        sink = tmp_path / f"out{i}.jsonl"
-        return [e["id"] for e in read_jsonl(sink)] if sink.exists() else []
+        return _out(tmp_path, i)
 
     with psycopg.connect(db_url, autocommit=True) as c:
         ingest.consume_group(c, "shared", streams, 0)
