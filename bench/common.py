@@ -159,8 +159,8 @@ class Goals:
 
 class _Receiver(BaseHTTPRequestHandler):
     """POST ``/hook`` (one stream) or ``/hook/<stream>``: records ``(stream (0 for /hook), payload new.seq,
-    receipt time)`` and answers 204; ``/fail/<stream>``: 500. GET ``/received``: what was recorded, GET
-    ``/count``: how many."""
+    receipt time)`` and answers 204; ``/fail/<stream>``: 500; ``/hang/<stream>``: 500 after two minutes (past any
+    sink's timeout: a webhook that hangs). GET ``/received``: what was recorded, GET ``/count``: how many."""
 
     protocol_version = "HTTP/1.1"
     received: list[tuple[int, int, float]]
@@ -168,7 +168,9 @@ class _Receiver(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.path.startswith("/fail/"):
+        if self.path.startswith(("/fail/", "/hang/")):
+            if self.path.startswith("/hang/"):
+                time.sleep(120)
             self.send_response(500)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -210,7 +212,7 @@ def _serve(ports: Any) -> None:
 
 class Webhook:
     """The benches' webhook receiver (answers 204) in its own process: ``url`` (``/hook``) for one stream,
-    ``base`` + ``/hook/<stream>`` (or ``/fail/<stream>``, which answers 500) for many."""
+    ``base`` + ``/hook/<stream>`` (or ``/fail/<stream>``, which answers 500, or ``/hang/<stream>``) for many."""
 
     def __init__(self) -> None:
         ports: Any = multiprocessing.Queue()

@@ -23,8 +23,10 @@ figures are printed and appended to bench/RESULTS.md; ``--goal`` exits 1 when a 
 issue 45's goals (first event <= 10 s, p99 <= 250 ms, none missing, one slot and one WAL sender, at most 11
 processes, RSS <= 1.5 GiB, at most 20 connections of pgstream, CPU per event at most 0.2x one stream's at 100
 streams). The streams name no reader group (``streams[].reader``): they share the database's ``default``
-group, as a user's streams do; ``--group NAME`` names one instead.
-Usage: python bench/streams.py [--streams 1,10,100] [--duration 60] [--group NAME] [--goal]
+group, as a user's streams do; ``--group NAME`` names one instead. ``--hang N``: streams 1..N deliver to a webhook
+that hangs, and the figures are the other streams' (with ``--reconfigure-at`` or ``--max-run-secs``: a member's sink
+call under way at a hand-over).
+Usage: python bench/streams.py [--streams 1,10,100] [--duration 60] [--group NAME] [--hang N] [--goal]
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ GiB = 2**30
 
 
 def _config(path: Path, url: str, receivers: Webhook, count: int, group: str | None,
-            checks: dict[str, Any] | None = None, max_run_secs: float | None = None) -> None:
-    streams: list[dict[str, Any]] = [{"id": i, "sink": {"type": "http", "url": f"{receivers.base}/hook/{i}",
-                                                        "mode": "batch"}} for i in range(1, count + 1)]
+            checks: dict[str, Any] | None = None, max_run_secs: float | None = None, hang: int = 0) -> None:
+    # (streams 1..hang: a webhook that hangs, past the sink's timeout_secs, retried for its max_retry_secs)
+    streams: list[dict[str, Any]] = [
+        {"id": i, "sink": {"type": "http", "url": f"{receivers.base}/{'hang' if i <= hang else 'hook'}/{i}",
+                           "mode": "batch"}} for i in range(1, count + 1)]
     if max_run_secs is not None:  # (the group delivery run ends after it and the next one starts: its hand-over)
         for stream in streams:
             stream["delivery"] = {"tuning": {"max_run_secs": max_run_secs}}
@@ -449,7 +453,8 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
     receivers = Webhook()
     config = tmpdir / f"{name}.yaml"
     checks = {k: v for k, v in (("cron", args.checks_cron), ("streams_per_sec", args.checks_rate)) if v is not None}
-    _config(config, url, receivers, count, args.group or None, checks, args.max_run_secs)
+    _config(config, url, receivers, count, args.group or None, checks, args.max_run_secs, args.hang)
+    healthy = set(range(args.hang + 1, count + 1))  # the streams measured (their webhook answers)
     home = tmpdir / f"{name}_home"
     home.mkdir()
     shutil.copy(HERE.parent / "dagster.yaml", home / "dagster.yaml")
@@ -482,7 +487,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
                 conn.execute(_insert(i), [0])
         firsts: dict[int, float] = {}
         deadline = time.monotonic() + args.first_timeout
-        while len(firsts) < count and time.monotonic() < deadline:
+        while len(firsts) < len(healthy) and time.monotonic() < deadline:
             for stream, seq, at in receivers.received_by_stream():
                 if seq == 0 and stream not in firsts:
                     firsts[stream] = at - loaded_at
@@ -496,7 +501,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
         result["start_cpu_secs_by_role"] = _by_role(
             _spent(start_cpu, _cpu([*start_pids, *start_pg]), start_parents), start_pg, floor=0.05)
         result["first_batches"] = _first_batches(url, loaded_at)
-        result["never_delivered"] = sorted(set(range(1, count + 1)) - set(firsts))
+        result["never_delivered"] = sorted(healthy - set(firsts))
 
         # the window measures the steady state: it starts once the location's start-up runs have ended (the
         # subscriptions run applies or checks every stream's subscriptions once, taking seconds of CPU per
@@ -548,7 +553,7 @@ def _phase(count: int, pg: LocalPostgres, tmpdir: Path, args: argparse.Namespace
                 "select count(*) from pg_stat_activity where datname = current_database() and pid <> pg_backend_pid()"
             ).fetchone()[0]  # type: ignore[index]
         committed = {(int(k.split(":")[0]), int(k.split(":")[1])): v
-                     for k, v in json.loads(out.read_text()).items()}
+                     for k, v in json.loads(out.read_text()).items() if int(k.split(":")[0]) in healthy}
         drain = time.monotonic() + args.drain_timeout
         while time.monotonic() < drain:
             got = {(s, q): t for s, q, t in receivers.received_by_stream() if q > 0}
@@ -636,6 +641,9 @@ def main() -> None:
     parser.add_argument("--reconfigure-at", type=float,
                         help="seconds into the window: every stream's sink changed (its timeout_secs) and the code "
                              "location reloaded, as a deploy does")
+    parser.add_argument("--hang", type=int, default=0,
+                        help="streams 1..N deliver to a webhook that hangs (answers after two minutes: past their "
+                             "timeout_secs, retried for max_retry_secs); the figures are the other streams'")
     parser.add_argument("--storage", default="pooled",
                         help="Dagster's storage, comma-separated for one phase each, in this order: pooled (the "
                              "repository's dagster.yaml), dagster-postgres (a connection per storage call)")
@@ -674,6 +682,7 @@ def main() -> None:
              + (f"every stream's delivery.tuning.max_run_secs {args.max_run_secs:g}; " if args.max_run_secs else "")
              + (f"the configuration changed and the location reloaded {args.reconfigure_at:g}s into the window; "
                 if args.reconfigure_at is not None else "")
+             + (f"streams 1..{args.hang}'s webhook hangs (the figures are the other streams'); " if args.hang else "")
              + f"Postgres {'defaults' if args.postgres_defaults else 'devdb settings'} for slots and WAL senders; "
              + (f"every stream in reader group {args.group!r}." if args.group else "no reader: key (group default).")]
     failed = False
