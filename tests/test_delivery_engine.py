@@ -5,6 +5,7 @@ Every test counts what the sink got: each event once, in commit order."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from pgstream_dagster.config import StreamConfig, load_config
+from pgstream_dagster.devdb import LocalPostgres
 from pgstream_dagster.engine import ingest, spark
 from pgstream_dagster.engine.batches import BatchStatus
 from pgstream_dagster.engine.delivery.reads import BATCH_QUERY, BATCH_QUERY_BOUNDED, BATCH_SIZES, READ_BYTES
@@ -25,6 +27,7 @@ from pgstream_dagster.engine.ledger import locks, state
 from pgstream_dagster.engine.publish import Span
 from pgstream_dagster.engine.status import stream_status
 
+from .support.endpoint import Endpoint
 from .support.harness import event_ids, insert_events, read_jsonl, write_config
 
 STREAM = 1
@@ -550,6 +553,75 @@ def test_a_member_whose_run_still_closes_in_the_run_taken_over_from_is_hosted_on
         for i in ids:
             sent = [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id", [i])]
             assert out(i) == sent, i  # each once, in commit order
+
+
+def test_a_members_hanging_sink_call_holds_no_other_member_back_when_the_database_comes_back(
+        db_url: str, pg: LocalPostgres, tmp_path: Path) -> None:
+    """Postgres restarts while stream 1's webhook hangs in a call (up to its 30 s timeout): the group delivery run
+    rides the outage out and hosts stream 2 again once the database accepts writes (its wait for its members' runs
+    to stop is bounded for all of them together: ``OUTAGE_JOIN_SECS``), not once stream 1's call has returned;
+    stream 1 is hosted again once it has. Every event once, in commit order."""
+    hanging, release, armed = Endpoint(), threading.Event(), threading.Event()
+
+    def hang(_request: int) -> None:  # once armed, every call waits until the test lets it through
+        if armed.is_set():
+            release.wait(120)
+
+    hanging.hook = hang
+    path = write_config(tmp_path / "pgstream.yaml", db_url, [
+        {"id": i, "reader": "outage", "batch": {"max_size": 50, "max_fill_secs": 0},
+         "delivery": {"mode": "open", "tuning": {"max_run_secs": 300}},
+         "sink": hanging.sink() if i == 1 else {"type": "file", "path": str(tmp_path / f"out{i}.jsonl")}}
+        for i in (1, 2)])
+    streams = list(load_config(path).streams)
+    logs, outcome = Log(), list[str]()
+    delivery, _ended, stopping = _group_run("outage", streams, db_url, "grp", logs)
+    thread = threading.Thread(target=lambda: outcome.append(delivery.run()), daemon=True)
+
+    def until(done: Callable[[], bool], timeout: float) -> float:
+        """Record what commits (as the group's sensor does) until ``done``; how long it took."""
+        began = time.monotonic()
+        while not done():
+            assert time.monotonic() - began < timeout and thread.is_alive(), (outcome, logs.lines[-8:])
+            with contextlib.suppress(psycopg.OperationalError), \
+                    psycopg.connect(db_url, autocommit=True, connect_timeout=2) as c:
+                ingest.consume_group(c, "outage", streams, 0.05)
+            time.sleep(0.05)
+        return time.monotonic() - began
+
+    try:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            ingest.consume_group(c, "outage", streams, 0)
+            for i in (1, 2):  # the members' runs, as their sensor decided them
+                assert state.open_warm_run(c, i, f"warm-{i}")
+        thread.start()
+        for i in (1, 2):
+            insert_events(db_url, i, 5)
+        until(lambda: len(_out(tmp_path, 2)) == 5 and len(hanging.unique()) == 5, 30)
+        armed.set()
+        calls = hanging.requests
+        insert_events(db_url, 1, 5, start=100)
+        until(lambda: hanging.requests > calls, 20)
+
+        pg.restart()  # while stream 1's call hangs
+        insert_events(db_url, 2, 5, start=200)
+        took = until(lambda: len(_out(tmp_path, 2)) == 10, 25)
+        assert took < 15 and len(hanging.unique()) == 5, (took, logs.lines[-8:])  # (stream 1's call hangs on)
+        release.set()
+        insert_events(db_url, 1, 5, start=300)
+        until(lambda: len(hanging.unique()) == 15, 60)
+        stopping.set()
+        thread.join(30)
+        assert outcome == ["the test ends"], (outcome, logs.lines[-8:])
+        with psycopg.connect(db_url) as c:
+            for i in (1, 2):
+                sent = [r[0] for r in c.execute("select id from pgstream.events where stream_id = %s order by id",
+                                                [i])]
+                assert (hanging.first_seen_order() if i == 1 else _out(tmp_path, i)) == sent, i  # once, in order
+    finally:
+        release.set()
+        stopping.set()
+        hanging.down()
 
 
 def test_a_groups_members_share_one_lease_session_and_one_whose_session_ended_publishes_nothing(

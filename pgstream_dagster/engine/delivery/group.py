@@ -32,6 +32,7 @@ READ_RETRY_SECS = 0.2
 READ_EARLY_SECS = 0.5
 READ_ERROR_SECS = 5.0
 OUTAGE_RETRY_SECS = 0.1  # while the database is away: how often the group run (and its reader) try to connect again
+OUTAGE_JOIN_SECS = 5.0  # the database went away: how long the group run waits for its members' runs to stop, at most
 #: what the reader cannot get past with the run's configuration: the group run ends with its line as reason
 REFUSALS: tuple[type[Exception], ...] = (groups.GroupChange, PublicationTaken, LimitsExceeded)
 
@@ -214,8 +215,11 @@ class GroupDelivery:
         self._outage = self._outage_line = line
         for event in self._wake.values():
             event.set()
+        # (a member's run stops at its next look; one in a sink call stops once the call returns: not waited for
+        # past OUTAGE_JOIN_SECS, it is hosted again once it has stopped, the others as soon as the database is back)
+        deadline = time.monotonic() + OUTAGE_JOIN_SECS
         for thread in list(self._members.values()):
-            thread.join(30)
+            thread.join(max(0.0, deadline - time.monotonic()))
         self._reap()
         lease.close()
         self._connections.close()
