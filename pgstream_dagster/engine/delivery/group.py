@@ -129,8 +129,7 @@ class GroupDelivery:
                     lease = taken
         except BaseException:
             self._stop("the group run is ending (interrupted or failed)")
-            for thread in list(self._members.values()):
-                thread.join(30)
+            self._join_members(30)
             raise
         finally:
             self._reading_ends.set()
@@ -217,9 +216,7 @@ class GroupDelivery:
             event.set()
         # (a member's run stops at its next look; one in a sink call stops once the call returns: not waited for
         # past OUTAGE_JOIN_SECS, it is hosted again once it has stopped, the others as soon as the database is back)
-        deadline = time.monotonic() + OUTAGE_JOIN_SECS
-        for thread in list(self._members.values()):
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self._join_members(OUTAGE_JOIN_SECS)
         self._reap()
         lease.close()
         self._connections.close()
@@ -401,6 +398,12 @@ class GroupDelivery:
             return woken
 
         return wake
+
+    def _join_members(self, secs: float) -> None:
+        """Wait for the members' runs to end, ``secs`` at most for all of them together."""
+        deadline = time.monotonic() + secs
+        for thread in list(self._members.values()):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _reap(self) -> None:
         self._members = {s: m for s, m in self._members.items() if m.is_alive()}
