@@ -20,7 +20,7 @@ from . import __version__
 if TYPE_CHECKING:
     from .config import PgstreamConfig
     from .engine.controls import Action
-    from .engine.limits import DagsterStorage
+    from .engine.limits import DagsterStorage, TagRunLimit
 
 
 def _ranged(name: str, low: int, high: int) -> Callable[[str], int]:
@@ -141,19 +141,20 @@ def _cmd_tear_down(args: argparse.Namespace) -> None:
     print("\n".join(f"removed {item}" for item in removed) or "nothing to remove")
 
 
-def _instance_limits() -> tuple[int | None, str, DagsterStorage | None]:
+def _instance_limits() -> tuple[int | None, str, DagsterStorage | None, TagRunLimit | None]:
     """The Dagster instance's ``max_concurrent_runs`` (``$DAGSTER_HOME``; ``None``: no instance or no
-    limit), the file that sets it, and the connections its storage keeps open (``None``: none)."""
+    limit), the file that sets it, the connections its storage keeps open (``None``: none) and its run queue's
+    limit on the group delivery runs (``None``: none)."""
     home = os.environ.get("DAGSTER_HOME")
     if not home:
-        return None, "dagster.yaml", None
+        return None, "dagster.yaml", None, None
     import dagster as dg
 
-    from .defs.limits import max_concurrent_runs, storage_connections
+    from .defs.limits import group_run_limit, max_concurrent_runs, storage_connections
 
     with dg.DagsterInstance.get() as instance:
         runs = max_concurrent_runs(instance)
-        return runs, str(Path(home) / "dagster.yaml"), storage_connections(instance, runs)
+        return runs, str(Path(home) / "dagster.yaml"), storage_connections(instance, runs), group_run_limit(instance)
 
 
 def _cmd_check(args: argparse.Namespace) -> None:
@@ -177,10 +178,10 @@ def _cmd_init(args: argparse.Namespace) -> None:
     from .engine.limits import LimitsExceeded
 
     owner = args.owner_database_url or os.environ.get("PGSTREAM_OWNER_DATABASE_URL") or None
-    runs, where, dagster = _instance_limits()
+    runs, where, dagster, group_runs = _instance_limits()
     try:
         lines = init(Path(args.config) if args.config else None, owner_url=owner, defs_folder=_defs_folder(args),
-                     max_concurrent_runs=runs, runs_where=where, dagster=dagster)
+                     max_concurrent_runs=runs, runs_where=where, dagster=dagster, group_runs=group_runs)
     except LimitsExceeded as exc:
         raise _Refused(str(exc)) from None  # (its lines)
     for line in lines:

@@ -127,6 +127,58 @@ def test_more_groups_than_slots_one_line_from_preflight_init_and_the_sensor_and_
         assert [e["id"] for e in read_jsonl(tmp_path / f"out-{stream_id}.jsonl")] == event_ids(url, stream_id)
 
 
+def test_preflight_and_init_name_a_run_queue_without_room_for_a_group_runs_successor(
+        db_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run queue's limit on the group delivery runs (run tag pgstream/group) against a hand-over, which has a
+    group's run and its successor at once: a limit of 1 per group, or one for every group together that leaves no
+    room beside the groups' runs, is one line from preflight and from init (which then changes nothing), naming the
+    setting; 2 per group (the repository's dagster.yaml) fits, and so does a limit on one group's value alone."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    where = home / "dagster.yaml"
+
+    def queue(*limits: dict[str, object]) -> None:
+        where.write_text(yaml.safe_dump({
+            "run_coordinator": {"module": "dagster.core.run_coordinator", "class": "QueuedRunCoordinator",
+                                "config": {"tag_concurrency_limits": list(limits)}},
+            "telemetry": {"enabled": False}}))
+
+    def preflight(config: Path) -> tuple[int, list[str]]:
+        code = main(["preflight", "--config", str(config)])
+        return code, capsys.readouterr().err.splitlines()
+
+    per_group = {"key": GROUP_TAG, "value": {"applyLimitPerUniqueValue": True}}
+    one = write_config(tmp_path / "one.yaml", db_url, _streams(tmp_path))
+    three = write_config(tmp_path / "three.yaml", db_url, _streams(tmp_path, reader=True))
+    capsys.readouterr()
+    queue(*(entry for entry in yaml.safe_load((repo_root() / "dagster.yaml").read_text())["run_coordinator"]["config"]
+            ["tag_concurrency_limits"] if entry["key"] == GROUP_TAG))
+    assert preflight(three) == (0, [])
+    queue({**per_group, "limit": 1})
+    line = (f"the run queue allows 1 run at once per reader group (run tag {GROUP_TAG}): a group delivery run's "
+            f"successor cannot start beside it, so the group's members pause for a run's process start at each "
+            f"hand-over (every delivery.tuning.max_run_secs and each configuration change): set limit: 2 for key "
+            f"{GROUP_TAG} under run_coordinator.config.tag_concurrency_limits in {where}")
+    assert preflight(one) == (1, [line])
+    with psycopg.connect(db_url) as c:
+        groups = c.execute("select count(*) from pgstream.reader_groups").fetchone()
+    assert main(["init", "--config", str(one)]) == 1
+    assert capsys.readouterr().err.splitlines() == [line]
+    with psycopg.connect(db_url) as c:  # init changed nothing
+        assert c.execute("select count(*) from pgstream.reader_groups").fetchone() == groups
+    queue({"key": GROUP_TAG, "limit": 3}, {"key": GROUP_TAG, "value": "g1@elsewhere", "limit": 1})
+    assert preflight(one) == (0, [])  # (one group's run and its successor fit in 3, as a value of its own)
+    assert preflight(three) == (1, [
+        f"the run queue allows 3 runs at once with run tag {GROUP_TAG}, for the delivery runs of 3 reader group(s) "
+        f"together: a group delivery run's successor cannot start beside it, so the group's members pause for a "
+        f"run's process start at each hand-over (every delivery.tuning.max_run_secs and each configuration change): "
+        f"set limit: 2 and value: {{applyLimitPerUniqueValue: true}} for key {GROUP_TAG} under "
+        f"run_coordinator.config.tag_concurrency_limits in {where}"])
+    queue({"key": GROUP_TAG, "limit": 4})
+    assert preflight(three) == (0, [])
+
+
 def test_preflight_counts_one_wal_sender_per_reader_group(
         small_pg: LocalPostgres, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """The Dagster limits a stream can wait on: the instance's ``max_concurrent_runs`` (its run
-coordinator's run queue) and the connections its storage keeps on a Postgres server, checked against
-the streams by :mod:`~..engine.limits`."""
+coordinator's run queue), the queue's limit on the group delivery runs and the connections its storage keeps on
+a Postgres server, checked against the streams by :mod:`~..engine.limits`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Any
 
 import dagster as dg
 
-from ..engine.limits import DagsterStorage
+from ..engine.limits import DagsterStorage, TagRunLimit
 from ..instance import PooledPostgresStorage
+from .names import GROUP_TAG
 
 #: the Dagster processes besides the runs: webserver, daemon, code server
 _DAGSTER_PROCESSES = 3
@@ -24,12 +25,24 @@ def max_concurrent_runs(instance: dg.DagsterInstance) -> int | None:
     return int(queue.max_concurrent_runs)
 
 
-def tag_run_limit(instance: dg.DagsterInstance, key: str) -> int | None:
-    """How many runs at once the instance's run queue allows per value of run tag ``key`` (``None``: no limit)."""
+def group_run_limit(instance: dg.DagsterInstance) -> TagRunLimit | None:
+    """The instance's run queue's strictest limit on the group delivery runs (run tag :data:`~.names.GROUP_TAG`:
+    per group, or for every group together; a limit on one value of it, one group's, is left out). ``None``: none."""
     queue = instance.get_concurrency_config().run_queue_config
-    limits = [int(entry["limit"]) for entry in (queue.tag_concurrency_limits if queue else None) or []
-              if entry.get("key") == key]
-    return min(limits) if limits else None
+    limits = []
+    for entry in (queue.tag_concurrency_limits if queue else None) or []:
+        value = entry.get("value")
+        if entry.get("key") != GROUP_TAG or isinstance(value, str):
+            continue
+        per_value = isinstance(value, dict) and bool(value.get("applyLimitPerUniqueValue"))
+        limits.append(TagRunLimit(GROUP_TAG, int(entry["limit"]), per_value))
+    return min(limits, key=lambda limit: (limit.per_value, limit.limit), default=None)
+
+
+def hand_over_blocked(instance: dg.DagsterInstance) -> bool:
+    """Whether the run queue lets no group delivery run's successor start beside it (a limit of 1)."""
+    limit = group_run_limit(instance)
+    return limit is not None and limit.limit < 2
 
 
 def storage_connections(instance: dg.DagsterInstance, max_runs: int | None) -> DagsterStorage | None:

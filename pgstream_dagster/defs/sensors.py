@@ -45,7 +45,7 @@ from ..engine.limits import LimitsExceeded
 from ..engine.replication import PublicationTaken, SlotCreationWaits
 from ..engine.status import last_batches, stream_status
 from .jobs import delivery_job, group_delivery_job
-from .limits import tag_run_limit
+from .limits import hand_over_blocked
 from .names import (
     ATTEMPT_TAG,
     BATCH_TAG,
@@ -440,7 +440,7 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
             if STOP_TAG not in holder.tags:
                 _hand_over(instance, holder, run, lease, group, grace, log)
             queued = ""
-            if run.status == dg.DagsterRunStatus.QUEUED and (tag_run_limit(instance, GROUP_TAG) or 2) < 2:
+            if run.status == dg.DagsterRunStatus.QUEUED and hand_over_blocked(instance):
                 queued = (f": the instance's run queue allows 1 run per {GROUP_TAG}, so it starts only once that "
                           f"run has ended and every member pauses for it; set limit: 2 for key {GROUP_TAG} under "
                           f"run_coordinator.config.tag_concurrency_limits in dagster.yaml")
@@ -474,7 +474,7 @@ def _succession_due(conn: psycopg.Connection, instance: dg.DagsterInstance, grou
     without taking over: it is asked to end instead, :func:`_ask_to_end`), or it is
     :func:`~..engine.delivery.group.handover_lead` from its ``max_run_secs``."""
     if run.tags.get(CONFIG_TAG) != fingerprint:
-        if successor_ended or (tag_run_limit(instance, GROUP_TAG) or 2) < 2:
+        if successor_ended or hand_over_blocked(instance):
             return None
         return (f"the configuration of its streams changed ({CONFIG_TAG} {run.tags.get(CONFIG_TAG) or 'none'}, the "
                 f"code location's {fingerprint}): its successor requested, it ends once that one waits")

@@ -11,7 +11,7 @@ import psycopg
 
 from ..config import PgstreamConfig, reader_groups
 from .dbconn import connect, describe_url, error_line
-from .limits import DagsterStorage, LimitsExceeded, postgres_problems, run_problem
+from .limits import DagsterStorage, LimitsExceeded, TagRunLimit, group_run_problem, postgres_problems, run_problem
 
 
 class InitError(RuntimeError):
@@ -31,18 +31,22 @@ def _as(role: str, url: str) -> Iterator[None]:
 
 
 def preflight(config: PgstreamConfig, max_concurrent_runs: int | None = None,
-              runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None) -> list[str]:
+              runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None,
+              group_runs: TagRunLimit | None = None) -> list[str]:
     """One line per Postgres or Dagster limit the streams of ``config`` do not fit in (empty: they fit);
-    ``dagster``: its storage's connections on the same server, ``runs_where``: the file of its limits."""
+    ``dagster``: its storage's connections on the same server, ``group_runs``: its run queue's limit on the group
+    delivery runs, ``runs_where``: the file of its limits."""
     with connect(config.database_url.get_secret_value(), autocommit=True) as conn:
         lines = postgres_problems(conn, config.streams, dagster)
-    runs = run_problem(max_concurrent_runs, config.streams, runs_where)
-    return [*lines, *([runs] if runs else [])]
+    runs = [run_problem(max_concurrent_runs, config.streams, runs_where),
+            group_run_problem(group_runs, config.streams, runs_where)]
+    return [*lines, *(line for line in runs if line)]
 
 
 def init(config_path: Path | None = None, owner_url: str | None = None,
          defs_folder: Path | str | None = None, max_concurrent_runs: int | None = None,
-         runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None) -> list[str]:
+         runs_where: str = "dagster.yaml", dagster: DagsterStorage | None = None,
+         group_runs: TagRunLimit | None = None) -> list[str]:
     """:func:`preflight` (:class:`~.limits.LimitsExceeded` before any change); as the owner: migrate, housekeeping,
     the subscriptions (``defs_folder``'s too); as the runtime: the streams in their groups, the groups' slots."""
     from ..config import load_config
@@ -58,7 +62,7 @@ def init(config_path: Path | None = None, owner_url: str | None = None,
     owner_role = ("owner from --owner-database-url / PGSTREAM_OWNER_DATABASE_URL" if owner_url
                   else "owner from database_url (no owner URL given)")
     with _as(runtime, url):
-        problems = preflight(config, max_concurrent_runs, runs_where, dagster)
+        problems = preflight(config, max_concurrent_runs, runs_where, dagster, group_runs)
     if problems:
         raise LimitsExceeded(problems)
     with _as(owner_role, owner):

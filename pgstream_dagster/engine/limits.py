@@ -1,8 +1,9 @@
 """The Postgres and Dagster limits that can stop a stream, checked before they do (``preflight``, ``init``,
 a group's sensor whose slot cannot be created): ``wal_level``, the runtime's replication right,
-``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with Dagster storage's connections) and
-``max_concurrent_runs`` (given by the caller). One line per problem, naming the setting and the value to set,
-in ``postgresql.conf`` or the managed service's own setting (:func:`how_to_set`).
+``max_replication_slots``, ``max_wal_senders``, ``max_connections`` (with Dagster storage's connections),
+``max_concurrent_runs`` and the run queue's limit on the group delivery runs (given by the caller). One line per
+problem, naming the setting and the value to set, in ``postgresql.conf`` or the managed service's own setting
+(:func:`how_to_set`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ class DagsterStorage:
     host: str
     port: int
     connections: int
+
+
+@dataclass(frozen=True)
+class TagRunLimit:
+    """The run queue's limit on the runs of one run tag (``tag_concurrency_limits``): ``limit`` runs at once per
+    value of ``key`` (``per_value``: ``applyLimitPerUniqueValue``), or with any value of it together."""
+
+    key: str
+    limit: int
+    per_value: bool
 
 
 _LOCAL = frozenset({"localhost", "127.0.0.1", "::1", ""})
@@ -207,3 +218,23 @@ def run_problem(max_concurrent_runs: int | None, streams: Sequence[StreamConfig]
             f"run, plus one for housekeeping, checks and replays: a stream "
             f"without a run waits up to delivery.tuning.max_run_secs: set max_concurrent_runs = {_suggest(needed)} "
             f"under run_coordinator.config (or concurrency.runs) in {where}")
+
+
+def group_run_problem(limit: TagRunLimit | None, streams: Sequence[StreamConfig], where: str) -> str | None:
+    """The line saying that the run queue's ``limit`` on the group delivery runs' tag leaves no room for a group
+    run's successor beside it (the hand-over every ``max_run_secs`` and at each configuration change: two runs of
+    a group at once, one of them waiting), if it does not; ``where`` names the instance's configuration."""
+    if limit is None:
+        return None
+    groups = len(reader_groups(streams))
+    pause = ("a group delivery run's successor cannot start beside it, so the group's members pause for a run's "
+             "process start at each hand-over (every delivery.tuning.max_run_secs and each configuration change)")
+    setting = f"under run_coordinator.config.tag_concurrency_limits in {where}"
+    if limit.per_value and limit.limit < 2:
+        return (f"the run queue allows {limit.limit} run at once per reader group (run tag {limit.key}): {pause}: "
+                f"set limit: 2 for key {limit.key} {setting}")
+    if not limit.per_value and limit.limit < groups + 1:
+        return (f"the run queue allows {limit.limit} runs at once with run tag {limit.key}, for the delivery runs of "
+                f"{groups} reader group(s) together: {pause}: set limit: 2 and value: {{applyLimitPerUniqueValue: "
+                f"true}} for key {limit.key} {setting}")
+    return None
