@@ -447,7 +447,10 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
             return None, f"group delivery run {run.run_id}{doing or f' ({run.status.value.lower()})'} takes over " \
                          f"from {holder.run_id}{queued}"
         if run is holder and STOP_TAG not in run.tags:
-            successor_ended = any(r.status not in _LIVE for r in runs[:runs.index(run)])
+            # (a successor of the code location's configuration that ended without taking over: not one of an
+            # earlier configuration, or one requested at max_run_secs)
+            successor_ended = any(r.status not in _LIVE and r.tags.get(CONFIG_TAG) == fingerprint
+                                  for r in runs[:runs.index(run)])
             due = _succession_due(conn, instance, group, run, fingerprint, max_run_secs, grace, successor_ended)
             if due is not None:
                 log.append(f"reader group {group}: group delivery run {run.run_id}: {due}")
