@@ -67,8 +67,9 @@ from .resources import PgstreamResource
 from .status import status_observation
 
 _FAILED = {dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
-_LIVE = {dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
-         dg.DagsterRunStatus.STARTED}
+#: a run Dagster shows live (not yet ended)
+LIVE = {dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
+        dg.DagsterRunStatus.STARTED}
 #: the run tag and value Dagster sets on a run whose process was interrupted (SIGINT/SIGTERM) with no
 #: termination requested (dagster._core.storage.tags.RUN_FAILURE_REASON_TAG, RunFailureReason)
 FAILURE_REASON_TAG = "dagster/failure_reason"
@@ -169,7 +170,7 @@ def _run_view(conn: psycopg.Connection, instance: dg.DagsterInstance, run: dg.Da
                 return RunView(RunStatus.LIVE, run.run_id), f"run {run.run_id}: {doing}"
             dead = f"no delivery lease {grace:g} s after it started (delivery.run_grace_secs): its process died"
         return RunView(RunStatus.DEAD, run.run_id, dg.DagsterRunStatus.FAILURE.value, dead), None
-    if run.status in _LIVE:
+    if run.status in LIVE:
         return RunView(RunStatus.LIVE, run.run_id), f"run {run.run_id} ({run.status.value.lower()})"
     if run.status in _FAILED:
         return (RunView(RunStatus.FAILED, run.run_id, run.status.value, run_failure_message(instance, run.run_id),
@@ -246,7 +247,7 @@ def _member_view(conn: psycopg.Connection, instance: dg.DagsterInstance, stream:
                            "process died, or Postgres restarted): it delivers nothing more"), None
         held = "it holds the delivery lease" if state is locks.LeaseState.HELD else "starting"
         return RunView(RunStatus.LIVE, member_id), f"member run {member_id} ({held})"
-    if run.status in _LIVE:
+    if run.status in LIVE:
         return RunView(RunStatus.LIVE, member_id), f"member run {member_id} ({run.status.value.lower()})"
     error = run_failure_message(instance, run.run_id) or f"group delivery run {run.run_id} is {run.status.value}"
     return RunView(RunStatus.FAILED, member_id, run.status.value, error,
@@ -403,7 +404,7 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     live: list[tuple[dg.DagsterRun, locks.LeaseState | None, bool]] = []
     runs = _group_runs(instance, conn, group, limit=5)
     for run in runs:
-        if run.status not in _LIVE:
+        if run.status not in LIVE:
             continue
         lease, back = None, False
         if run.status == dg.DagsterRunStatus.STARTED:
@@ -449,7 +450,7 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         if run is holder and STOP_TAG not in run.tags:
             # (a successor of the code location's configuration that ended without taking over: not one of an
             # earlier configuration, or one requested at max_run_secs)
-            successor_ended = any(r.status not in _LIVE and r.tags.get(CONFIG_TAG) == fingerprint
+            successor_ended = any(r.status not in LIVE and r.tags.get(CONFIG_TAG) == fingerprint
                                   for r in runs[:runs.index(run)])
             due = _succession_due(conn, instance, group, run, fingerprint, max_run_secs, grace, successor_ended)
             if due is not None:
@@ -652,7 +653,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                                   f"database_url): {error_line(exc)}")
         with connection as conn:
             runs = _group_runs(context.instance, conn, group, limit=5)
-            if not any(r.status in _LIVE for r in runs):
+            if not any(r.status in LIVE for r in runs):
                 # the group run's process takes seconds to start: requested first, and this tick ends (the
                 # next one reads and decides meanwhile, or the run's reader reads once it is up)
                 notes_: list[str] = []

@@ -28,6 +28,7 @@ from pgstream_dagster.defs.names import (
     group_tag,
     stream_tag,
 )
+from pgstream_dagster.defs.sensors import LIVE
 from pgstream_dagster.engine.dbconn import url_database
 from pgstream_dagster.engine.ledger import streams as ledger_streams
 from pgstream_dagster.sinks.memory import MemorySink
@@ -348,8 +349,7 @@ class Background:
         """Whether Dagster shows the run live (not yet ended)."""
         run_id = self.run_id
         run = self.driver.instance.get_run_by_id(run_id) if run_id else None
-        return run is not None and run.status in (dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED,
-                                                  dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED)
+        return run is not None and run.status in LIVE
 
     def wait(self, timeout: float) -> dg.ExecuteInProcessResult:
         self.thread.join(timeout)
