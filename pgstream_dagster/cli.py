@@ -650,9 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "preflight", _cmd_preflight,
                  "check the Postgres and Dagster limits the streams need (wal_level, database_url's replication "
-                 "right, max_replication_slots, max_wal_senders, max_connections, the instance's max_concurrent_runs "
-                 "of $DAGSTER_HOME): one line per problem naming the setting to change (on RDS, Cloud SQL or Azure: "
-                 "the service's), exit 1")
+                 "right, max_replication_slots, max_wal_senders, max_connections, the max_concurrent_runs and "
+                 "pgstream/group run limit of $DAGSTER_HOME's instance): one line per problem naming the setting to "
+                 "change (on RDS, Cloud SQL or Azure: the service's), exit 1")
     _add_defs_folder(p, config=True)
 
     p = _command(sub, "status", _cmd_status, "state, failover checkpoint, backlog, slot lag and last batches of every "
