@@ -512,6 +512,45 @@ def test_a_successor_waits_for_the_groups_lease_and_takes_over_as_the_run_it_suc
             assert out(i) == sent, i  # each once, in commit order
 
 
+def test_a_run_opened_for_a_member_is_hosted_at_once_not_at_the_group_runs_next_look(
+        db_url: str, tmp_path: Path) -> None:
+    """The group delivery run looks at what its members want once a second; a run opened for a member (its sensor's
+    warm run, a launch) wakes it on the member's run channel at commit, so each member's run holds its lease well
+    within that second of being opened, and delivers."""
+    ids = [1, 2, 3, 4]
+    streams = _file_members(tmp_path, db_url, "woken", ids)
+    logs, outcome = Log(), list[str]()
+    delivery, ended, stopping = _group_run("woken", streams, db_url, "grp", logs)
+    thread = threading.Thread(target=lambda: outcome.append(delivery.run()), daemon=True)
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ingest.consume_group(c, "woken", streams, 0)
+        assert state.open_warm_run(c, 1, "warm-1")
+        thread.start()
+        deadline = time.monotonic() + 30
+        while locks.lease_state(c, "grp/1") is not locks.LeaseState.HELD:
+            assert time.monotonic() < deadline and thread.is_alive(), logs.lines[-5:]
+            time.sleep(0.01)
+        took = []
+        for i in (2, 3, 4):
+            time.sleep(0.3)  # (at another phase of the group run's look each time)
+            opened = time.monotonic()
+            assert state.open_warm_run(c, i, f"warm-{i}")
+            while locks.lease_state(c, f"grp/{i}") is not locks.LeaseState.HELD:
+                assert time.monotonic() - opened < 10, logs.lines[-5:]
+                time.sleep(0.01)
+            took.append(time.monotonic() - opened)
+        assert max(took) < 0.5, took
+        for i in ids:
+            insert_events(db_url, i, 5)
+        deadline = time.monotonic() + 10
+        while not all(len(_out(tmp_path, i)) == 5 for i in ids):
+            assert time.monotonic() < deadline, logs.lines[-5:]
+            ingest.consume_group(c, "woken", streams, 0.05)
+        stopping.set()
+        thread.join(30)
+        assert outcome == ["the test ends"] and not any(ended.values()), (outcome, ended)
+
+
 def test_a_member_whose_run_still_closes_in_the_run_taken_over_from_is_hosted_once_that_one_lets_it_go(
         db_url: str, tmp_path: Path) -> None:
     """The run a group delivery run took over from gave the group's lease up while its member run of stream 1 still

@@ -376,10 +376,17 @@ class GroupDelivery:
                            f"close")
 
     def _wait(self, lease: psycopg.Connection, channels: dict[str, int], secs: float) -> None:
-        """Up to ``secs``, waking each member whose run channel is notified (batches handed to its run)."""
-        for notify in lease.notifies(timeout=secs):
-            if (stream_id := channels.get(notify.channel)) is not None:
+        """Up to ``secs``, waking each member whose run channel is notified (batches handed to its run); at once
+        when a member without a run is (its sensor opened it one: hosted now, not at the next look)."""
+        deadline = time.monotonic() + secs
+        while (left := deadline - time.monotonic()) > 0:
+            for notify in lease.notifies(timeout=left, stop_after=1):
+                if (stream_id := channels.get(notify.channel)) is None:
+                    continue
                 self._wake[stream_id].set()
+                member = self._members.get(stream_id)
+                if self._stop_reason is None and (member is None or not member.is_alive()):
+                    return
 
     def _watch(self, lease: psycopg.Connection) -> None:
         """Wake each member whose ledger row moved (one query): its run looks at the ledger only then."""

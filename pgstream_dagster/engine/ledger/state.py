@@ -332,6 +332,7 @@ def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] 
         assign(conn, batch_ids, run_key)
         if keep_open:
             open_run(conn, stream_id, run_key)
+            _wake_host(conn, stream_id, run_key)
     return True
 
 
@@ -359,7 +360,7 @@ def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_event
             outstanding += int(count)
         if ids:
             assign(conn, ids, run_key)
-            conn.execute("select pg_notify(%s, %s)", [run_channel(stream_id), run_key])
+            _wake_host(conn, stream_id, run_key)
     return ids
 
 
@@ -411,9 +412,18 @@ def requeue_run(conn: psycopg.Connection, head: Batch, run_key: str, *, checkpoi
 
 def open_warm_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
     """The run ``run_key`` (no batch yet) becomes the stream's open run, unless the stream has one."""
-    row = conn.execute("update pgstream.streams set open_run_key = %s, slot_reader = %s "
-                       "where id = %s and open_run_key is null returning id", [run_key, SENSOR, stream_id]).fetchone()
+    with conn.transaction():
+        row = conn.execute("update pgstream.streams set open_run_key = %s, slot_reader = %s where id = %s and "
+                           "open_run_key is null returning id", [run_key, SENSOR, stream_id]).fetchone()
+        if row is not None:
+            _wake_host(conn, stream_id, run_key)
     return row is not None
+
+
+def _wake_host(conn: psycopg.Connection, stream_id: int, run_key: str) -> None:
+    """Wake what hosts the stream's open run ``run_key`` (at commit, on its run channel): batches were handed to
+    it, or it was opened (the group delivery run hosts it at once, not at its next look)."""
+    conn.execute("select pg_notify(%s, %s)", [run_channel(stream_id), run_key])
 
 
 def apply(conn: psycopg.Connection, stream: StreamConfig, action: Action) -> RunOrder | None:
