@@ -444,6 +444,19 @@ def test_the_sensor_hands_a_group_run_over_to_its_successor_and_fails_one_that_d
         locks.give_up_group_lease(lease, "relay")
 
 
+def test_a_group_run_and_its_successor_requested_within_a_second_get_run_keys_of_their_own(db_url: str) -> None:
+    """Dagster skips a run request whose run key it has seen: a group run's successor requested within a second of
+    the run (a configuration change right after the location started) must not carry the run's key."""
+    from pgstream_dagster.defs import sensors
+
+    with psycopg.connect(db_url) as c:
+        first = sensors._requested(c, "relay", "fingerprint")
+        time.sleep(0.002)
+        second = sensors._requested(c, "relay", "fingerprint")
+    assert first.run_key != second.run_key and all(
+        str(r.run_key).startswith("pgstream-group-relay-") for r in (first, second)), (first.run_key, second.run_key)
+
+
 def test_a_group_run_that_gave_its_lease_up_is_alive_while_a_member_run_of_it_closes(
         db_url: str, dagster_storage_url: str, tmp_path: Path) -> None:
     """A group run gives the group's lease to its successor at once, while a member's run of it still closes (a

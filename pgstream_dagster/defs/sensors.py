@@ -510,7 +510,9 @@ def _hand_over(instance: dg.DagsterInstance, holder: dg.DagsterRun, successor: d
 
 def _requested(conn: psycopg.Connection, group: str, fingerprint: str) -> dg.RunRequest:
     """The request of a group delivery run (of the members' configuration, ``fingerprint``)."""
-    return dg.RunRequest(run_key=f"pgstream-group-{group}-{int(time.time())}", job_name=GROUP_DELIVERY_JOB,
+    # (its run key: the request's time to the millisecond; Dagster skips a request whose key it has seen, and a run
+    # and its successor can be requested within a second of each other)
+    return dg.RunRequest(run_key=f"pgstream-group-{group}-{int(time.time() * 1000)}", job_name=GROUP_DELIVERY_JOB,
                          run_config={"ops": {"deliver_group": {"config": {"group": group}}}},
                          tags={GROUP_TAG: group_tag(group, database_key(conn)), CONFIG_TAG: fingerprint})
 
