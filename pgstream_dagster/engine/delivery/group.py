@@ -177,8 +177,7 @@ class GroupDelivery:
             starting = [m for m in wanted if m.stream_id not in self._members]
             if starting:
                 held = locks.delivery_lease_holders(lease, [m.stream_id for m in starting])
-                starting = [m for m in starting if held.get(m.stream_id, self._member_id(m.stream_id))
-                            == self._member_id(m.stream_id)]
+                starting = [m for m in starting if held.get(m.stream_id) in (None, self._member_id(m.stream_id))]
             self.hosted.update(m.run_key for m in starting)
             claimed = set(self.host.claim([(m.stream_id, m.run_key) for m in starting])) if starting else set()
             for order in starting:

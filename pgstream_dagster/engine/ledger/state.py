@@ -252,9 +252,10 @@ def assign(conn: psycopg.Connection, batch_ids: tuple[int, ...] | list[int], run
 
 
 def open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> None:
-    """The run ``run_key`` becomes the stream's open run."""
+    """The run ``run_key`` becomes the stream's open run (its host woken at commit)."""
     conn.execute("update pgstream.streams set open_run_key = %s, slot_reader = %s where id = %s",
                  [run_key, SENSOR, stream_id])
+    _wake_host(conn, stream_id, run_key)
 
 
 def clear_open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> None:
@@ -332,7 +333,6 @@ def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] 
         assign(conn, batch_ids, run_key)
         if keep_open:
             open_run(conn, stream_id, run_key)
-            _wake_host(conn, stream_id, run_key)
     return True
 
 
