@@ -60,13 +60,11 @@ def master_hosts(master: str) -> list[str] | None:
     it names none (``yarn``: the Hadoop configuration does)."""
     m = master.strip()
     if m.startswith("k8s://"):
-        m = m[len("k8s://"):]
-        if "://" not in m:
-            m = "https://" + m
-        host = urlsplit(m).hostname
+        m = m.removeprefix("k8s://")
+        host = urlsplit(m if "://" in m else "https://" + m).hostname
         return [host] if host else None
     if m.startswith("spark://"):
-        return [_host_of(part) for part in m[len("spark://"):].split(",") if part]
+        return [_host_of(part) for part in m.removeprefix("spark://").split(",") if part]
     return None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -264,11 +265,11 @@ def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadL
     source = choose_source(stream.delivery, Letters(letters, size), Readers("", conn=conn))
     assert isinstance(source, DeadLetterSource)
     position = 0  # letters handled before the chunk
-    try:
+    with ExitStack() as stack:  # the sink, once built, closed however this ends
         for chunk, events in source.chunks():
             try:
                 if sink is None:
-                    sink = stream.sink.build()
+                    sink = stack.enter_context(stream.sink.build())
                 sink.publish(events)
             except SinkError as exc:
                 first = chunk[0]
@@ -289,6 +290,3 @@ def _publish(conn: psycopg.Connection, stream: StreamConfig, letters: list[DeadL
             done = {r[0] for r in marked}  # one discarded meanwhile stays discarded
             report.redelivered += [d.id for d in chunk if d.id in done]
             position += len(chunk)
-    finally:
-        if sink is not None:
-            sink.close()

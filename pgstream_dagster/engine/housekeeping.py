@@ -62,7 +62,6 @@ def run_housekeeping(conn: psycopg.Connection, config: HousekeepingConfig,
         row = conn.execute("select pgstream.utc_today()").fetchone()
         assert row is not None
         today = row[0]
-    assert today is not None
     report = HousekeepingReport(today=today)
     notices: list[str] = []
     locks = [config.lock_timeout_ms, config.lock_attempts]

@@ -153,15 +153,13 @@ def apply_stream(conn: psycopg.Connection, subscriptions: Sequence[SubscriptionC
     declared = {identity(s) for s in yaml_subs}
     written = [s for s in yaml_subs if selected is None or identity(s) in selected]
     stored = _stored_rows(conn, stream_id)
-    if not owner:
-        if problems := list(_problems(conn, stored, written, declared, remove_absent)):
-            user = conn.execute("select current_user::text").fetchone()
-            raise SubscriptionError(
-                f"{source}: stream {stream_id}: role {user[0] if user else '?'} may not write pgstream.subscriptions "
-                f"(only the owner applies them: run `pgstream-dagster init` with the owner's URL) and the database "
-                f"differs from the YAML: {'; '.join(problems)}")
-        return StreamApply(changes={}, hand_made=_hand_made(stored))
-    if next(_problems(conn, stored, written, declared, remove_absent), None) is None:
+    if not owner and (problems := list(_problems(conn, stored, written, declared, remove_absent))):
+        user = conn.execute("select current_user::text").fetchone()
+        raise SubscriptionError(
+            f"{source}: stream {stream_id}: role {user[0] if user else '?'} may not write pgstream.subscriptions "
+            f"(only the owner applies them: run `pgstream-dagster init` with the owner's URL) and the database "
+            f"differs from the YAML: {'; '.join(problems)}")
+    if not owner or next(_problems(conn, stored, written, declared, remove_absent), None) is None:
         # set_subscriptions would change nothing (a code location starting with all applied): no write, no lock
         return StreamApply(changes={}, hand_made=_hand_made(stored))
     written_ids = {identity(s) for s in written}
