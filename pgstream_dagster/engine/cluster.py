@@ -127,10 +127,9 @@ def package_zip(directory: Path | None = None) -> Path:
         digest.update(path.relative_to(PACKAGE_ROOT).as_posix().encode() + b"\0")
         digest.update(path.read_bytes())
         digest.update(b"\0")
-    try:
+    version = "0"
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         version = importlib.metadata.version("pgstream-dagster")
-    except importlib.metadata.PackageNotFoundError:
-        version = "0"
     name = f"pgstream_dagster-{version}-{digest.hexdigest()[:16]}.zip"
     if directory is not None:
         return _write_zip(files, directory, name)
@@ -175,10 +174,9 @@ def executor_requirements(sink_types: Iterable[str] = ()) -> list[str]:
     names = list(EXECUTOR_REQUIREMENTS)
     extras = {SINK_EXTRAS[t] for t in sink_types if t in SINK_EXTRAS}
     if extras:
-        try:
+        requires: list[str] = []
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             requires = importlib.metadata.requires("pgstream-dagster") or []
-        except importlib.metadata.PackageNotFoundError:
-            requires = []
         for req in requires:
             spec, _, marker = req.partition(";")
             extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", marker)
