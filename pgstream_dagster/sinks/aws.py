@@ -13,6 +13,7 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Self, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
@@ -108,8 +109,6 @@ class AwsSinkConfigBase(SinkConfigBase):
     @model_validator(mode="after")
     def _valid_endpoint(self) -> Self:
         if self.endpoint_url is not None:
-            from urllib.parse import urlsplit
-
             try:
                 parts = urlsplit(self.endpoint_url)
                 parts.port  # noqa: B018 - raises for an invalid port

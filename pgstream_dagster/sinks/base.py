@@ -16,6 +16,7 @@ from contextlib import suppress
 from dataclasses import FrozenInstanceError
 from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Self, TypeVar, overload
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -507,8 +508,6 @@ def redact_url(url: str) -> str:
     """``url`` for messages: ``scheme://host:port/path`` without user info, query string and fragment.
     An http(s) or ws(s) path is shown up to its first segment that is not a plain word, the rest is
     ``***``: webhook tokens live in the path (``https://hooks.slack.com/services/***``)."""
-    from urllib.parse import urlsplit, urlunsplit
-
     try:
         parts = urlsplit(url)
         host = parts.hostname or ""
@@ -543,8 +542,6 @@ def url_secrets(url: str) -> list[str]:
     """The secret parts of a URL for :func:`scrub`: the whole URL when :func:`redact_url` hides anything of
     it, its password, query string and fragment, and the masked part of an http(s) path (as a whole and
     each segment of 8+ characters), each also percent-decoded."""
-    from urllib.parse import unquote, urlsplit
-
     try:
         parts = urlsplit(url)
         password, query, fragment = parts.password, parts.query, parts.fragment
@@ -575,8 +572,6 @@ def conninfo_secrets(conninfo: str) -> list[str]:
     """The passwords of a libpq connection string for :func:`scrub`, as written and percent-decoded: a
     URL's (also a malformed one, which libpq echoes: ``postgresql//app:pw@host``, a raw ``%`` in the
     password) and ``password=``/``sslpassword=`` values. The host, user and database are not secrets."""
-    from urllib.parse import unquote, urlsplit
-
     found: list[str] = []
     with suppress(ValueError):
         found.append(urlsplit(conninfo).password or "")

@@ -311,7 +311,6 @@ def _rejects(error: Any) -> bool:
 
 def _describe_kafka_error(exc: BaseException) -> str:
     """The librdkafka message of a ``KafkaException`` (``str()`` of its ``KafkaError``), else the exception."""
-    args = getattr(exc, "args", ())
-    if args and hasattr(args[0], "str") and callable(args[0].str):
-        return str(args[0].str())
+    if exc.args and callable(getattr(exc.args[0], "str", None)):
+        return str(exc.args[0].str())
     return f"{type(exc).__name__}: {exc}"

@@ -470,16 +470,8 @@ class LakeSink(Sink):
         if any(known):
             self._by_id([e for e, k in zip(events, known, strict=True) if k])
         fresh = [i for i, k in enumerate(known) if not k]
-        if not fresh:
-            return
-        pending = [events[i] for i in fresh]
-        table, unfit, why = self._arrow(stream_id, pending)
-        if table is not None:
-            last = positions[fresh[table.num_rows - 1]]
-            self.commit(stream_id, table, (positions[fresh[0]], last))
-            self._tokens[stream_id] = token(*last)
-        if unfit is not None:
-            raise self._error([pending[unfit]], self._at(why), permanent=True)
+        if fresh:
+            self._write(stream_id, [events[i] for i in fresh], [positions[i] for i in fresh])
 
     def _by_id(self, events: Sequence[Event]) -> None:
         stream_id = event_stream(events)
@@ -487,11 +479,18 @@ class LakeSink(Sink):
         present = self.present_ids(stream_id, min(ids), max(ids))
         missing = [e for e in events if e.id not in present]
         if missing:
-            table, unfit, why = self._arrow(stream_id, missing)
-            if table is not None:
-                self.commit(stream_id, table, None)
-            if unfit is not None:
-                raise self._error([missing[unfit]], self._at(why), permanent=True)
+            self._write(stream_id, missing)
+
+    def _write(self, stream_id: int, events: Sequence[Event], positions: Sequence[tuple[int, int]] = ()) -> None:
+        """Commit ``events`` up to the first unfit one (:meth:`_arrow`), then reject it; ``positions``: the token."""
+        table, unfit, why = self._arrow(stream_id, events)
+        if table is not None:
+            span = (positions[0], positions[table.num_rows - 1]) if positions else None
+            self.commit(stream_id, table, span)
+            if span is not None:
+                self._tokens[stream_id] = token(*span[1])
+        if unfit is not None:
+            raise self._error([events[unfit]], self._at(why), permanent=True)
 
     def _at(self, text: str) -> str:
         return f"{self.where()}: {text}"

@@ -23,7 +23,7 @@ from .lake import LakeSink, LakeSinkConfigBase, Span, arrow_schema, dataset_filt
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["MARKER_DIR", "STALE_TMP_SECS", "ParquetSink", "ParquetSinkConfig", "read_marker"]
+__all__ = ["MARKER_DIR", "STALE_TMP_SECS", "ParquetSink", "ParquetSinkConfig"]
 
 #: the directory of the streams' commit markers, under the sink's path
 MARKER_DIR = "_pgstream"
@@ -42,15 +42,6 @@ class ParquetSinkConfig(LakeSinkConfigBase):
     path: str = Field(min_length=1, description="the directory (created on demand): day=YYYY-MM-DD/ "
                                                 "subdirectories, and _pgstream/ for the commit markers")
     compression: Literal["zstd", "snappy", "gzip", "none"] = Field("zstd", description="the files' compression")
-
-
-def read_marker(path: str | Path, stream_id: int) -> int | None:
-    """The token the stream's commit marker under ``path`` holds, ``None`` when there is none."""
-    try:
-        data = json.loads((Path(path) / MARKER_DIR / f"stream-{stream_id}.json").read_text())
-    except FileNotFoundError:
-        return None
-    return int(data["token"])
 
 
 def _tmp_prefix(stream_id: int, *, delivery: bool) -> str:
@@ -78,10 +69,15 @@ class ParquetSink(LakeSink, builds=ParquetSinkConfig):
         return f"directory {self.config.path}"
 
     def read_token(self, stream_id: int) -> int | None:
-        return read_marker(self.config.path, stream_id)
+        """The token the stream's commit marker holds, ``None`` when there is none."""
+        try:
+            data = json.loads((Path(self.config.path) / MARKER_DIR / f"stream-{stream_id}.json").read_text())
+        except FileNotFoundError:
+            return None
+        return int(data["token"])
 
     def recover(self, stream_id: int) -> int | None:
-        committed = read_marker(self.config.path, stream_id)
+        committed = self.read_token(stream_id)
         if committed is None:
             if self._stream_files(stream_id):
                 # never delete what might be committed: the marker was removed, not never written

@@ -15,7 +15,7 @@ import psycopg
 from psycopg import sql
 from pydantic import Field, SecretStr, field_validator
 
-from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception, excerpt, redact_url, scrub
+from .base import Event, Sink, SinkConfigBase, SinkError, describe_exception, event_columns, excerpt, redact_url, scrub
 
 __all__ = ["TABLE_COLUMNS", "PostgresSink", "PostgresSinkConfig"]
 
@@ -133,7 +133,7 @@ class PostgresSink(Sink, builds=PostgresSinkConfig):
     def _write(self, conn: psycopg.Connection[Any], events: Sequence[Event]) -> None:
         try:
             with conn.transaction():
-                conn.execute(self._insert, _columns(events))
+                conn.execute(self._insert, event_columns(events))
         except psycopg.Error as exc:
             if not _about_a_row(exc):
                 raise
@@ -147,7 +147,7 @@ class PostgresSink(Sink, builds=PostgresSinkConfig):
             for event in events:
                 try:
                     with conn.transaction():  # a savepoint: a refused row leaves the rows before it
-                        conn.execute(self._insert, _columns([event]))
+                        conn.execute(self._insert, event_columns([event]))
                 except psycopg.Error as exc:
                     if not _about_a_row(exc):
                         raise
@@ -195,11 +195,6 @@ class PostgresSink(Sink, builds=PostgresSinkConfig):
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
-
-
-def _columns(events: Sequence[Event]) -> list[list[Any]]:
-    return [[e.id for e in events], [e.stream_id for e in events], [e.created_at for e in events],
-            [e.payload_json for e in events], [e.metadata_json for e in events]]
 
 
 def _about_a_row(exc: psycopg.Error) -> bool:
