@@ -280,7 +280,6 @@ def _consumer_call(args: argparse.Namespace, command: str, query: str, *params: 
 
 
 def _print_token(token: str) -> None:
-    """The consumer's token, once (the database keeps its hash only): its query's consumerToken option."""
     print("its token (the query's option consumerToken; shown once, stored hashed; keep it secret like a "
           f"password):\n{token}")
 

@@ -286,7 +286,6 @@ def _alive(pids: list[int]) -> list[int]:
 
 
 def _with_args(pids: list[int], *parts: bytes) -> list[int]:
-    """Of ``pids``, the processes whose command line holds every one of ``parts``."""
     return [pid for pid in pids if all(part in _cmdline(pid) for part in parts)]
 
 
