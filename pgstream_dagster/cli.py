@@ -61,7 +61,6 @@ def _open(url: str) -> psycopg.Connection:
 
 
 def _connect(args: argparse.Namespace) -> psycopg.Connection:
-    """A connection to ``--database-url`` (or ``$PGSTREAM_DATABASE_URL``), autocommit (:func:`_open`)."""
     return _open(_database_url(args))
 
 
@@ -200,9 +199,8 @@ def _cmd_status(args: argparse.Namespace) -> None:
                            "lists the streams it has)")
         orphans = status.render_orphaned_slots(status.orphaned_slots(conn)) if args.stream is None else ""
         print(status.render_status(streams) + orphans)
-    if args.stream is None:
-        if said := status.render_standby_slots(status.standby_slots(_database_url(args))):
-            print(said.lstrip("\n"))
+    if args.stream is None and (said := status.render_standby_slots(status.standby_slots(_database_url(args)))):
+        print(said.lstrip("\n"))
 
 
 def _cmd_reconcile(args: argparse.Namespace) -> None:
@@ -282,7 +280,6 @@ def _consumer_call(args: argparse.Namespace, command: str, query: str, *params: 
 
 
 def _print_token(token: str) -> None:
-    """The consumer's token, once (the database keeps its hash only): its query's consumerToken option."""
     print("its token (the query's option consumerToken; shown once, stored hashed; keep it secret like a "
           f"password):\n{token}")
 
@@ -772,13 +769,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_defs_folder(p)
     p = _command(bf, "list", _cmd_backfill_list, "backfills (of STREAM), newest first, with their progress", common)
     p.add_argument("stream", type=_ID, nargs="?", help="only this stream's")
-    p = _command(bf, "stop", lambda a: _cmd_backfill_stop(a, cancel=False),
-                 "stop a backfill wherever it runs (resumable)", common)
-    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
-    p = _command(bf, "cancel", lambda a: _cmd_backfill_stop(a, cancel=True),
-                 "cancel a backfill for good (the rows it read stay delivered)", common)
-    p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
-    p.add_argument("--yes", action="store_true", help="confirm: the backfill cannot be resumed")
+    for name, text in (("stop", "stop a backfill wherever it runs (resumable)"),
+                       ("cancel", "cancel a backfill for good (the rows it read stay delivered)")):
+        p = _command(bf, name, partial(_cmd_backfill_stop, cancel=name == "cancel"), text, common)
+        p.add_argument("id", type=_ID, help="the backfill's id (backfill list shows them)")
+    p.add_argument("--yes", action="store_true", help="confirm: the backfill cannot be resumed")  # (cancel's)
 
     p = _command(sub, "metrics", _cmd_metrics, "serve Prometheus metrics of every stream on /metrics, read from the "
                                                "database at each scrape", common)

@@ -129,9 +129,6 @@ class _Progress:
         print(f" {', '.join(outcome) or 'done'} ({time.monotonic() - started:.1f} s)", flush=True)
 
 
-#: the repository's Dagster instance configuration, copied into ``$DAGSTER_HOME/dagster.yaml``
-INSTANCE_TEMPLATE = "dagster.yaml"
-
 #: the environment of ``make dev``'s demo, in ``.pgstream/env`` for a second shell (``. .pgstream/env``)
 ENV_KEYS = ("PGSTREAM_DATABASE_URL", "PGSTREAM_OWNER_DATABASE_URL", "PGSTREAM_EXECUTOR_DATABASE_URL",
             "PGSTREAM_CONFIG", "PGSTREAM_DEMO_SINK", "PGSTREAM_SPARK_REMOTE", "DAGSTER_POSTGRES_URL", "DAGSTER_HOME")
@@ -211,7 +208,7 @@ def prepare_dev(root: Path, spark_server: bool = True) -> bool:
         print(f"      {line}")
     # the repository's dagster.yaml in place: DAGSTER_HOME is the directory `dg dev` runs in (with another
     # home, `dg dev` warns that the dagster.yaml of its working directory "will not be used")
-    assert (root / INSTANCE_TEMPLATE).is_file(), f"{root / INSTANCE_TEMPLATE} is missing"
+    assert (root / "dagster.yaml").is_file(), f"{root / 'dagster.yaml'} is missing"
     os.environ["DAGSTER_HOME"] = str(root)
     with progress.step("environment for other shells") as outcome:
         outcome.append(f"written to {write_env_file(state)}")
@@ -289,7 +286,6 @@ def _alive(pids: list[int]) -> list[int]:
 
 
 def _with_args(pids: list[int], *parts: bytes) -> list[int]:
-    """Of ``pids``, the processes whose command line holds every one of ``parts``."""
     return [pid for pid in pids if all(part in _cmdline(pid) for part in parts)]
 
 

@@ -18,8 +18,6 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-_RUN_AS = "embedded_postgres"
-
 #: Server settings every pgstream Postgres needs; tests add durability shortcuts on top.
 LOGICAL_SETTINGS: dict[str, str] = {
     "wal_level": "logical",
@@ -51,10 +49,10 @@ def free_port() -> int:
 
 
 def _demote() -> tuple[int, int] | None:
-    """As root, the user and group Postgres runs as (it refuses root): :data:`_RUN_AS`, created once."""
+    """As root, the user and group Postgres runs as (it refuses root): ``embedded_postgres``, created once."""
     if os.geteuid() != 0:
         return None
-    return _system_user(_RUN_AS)
+    return _system_user("embedded_postgres")
 
 
 def _system_user(name: str) -> tuple[int, int]:

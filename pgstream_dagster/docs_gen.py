@@ -296,9 +296,8 @@ def scratch_database() -> Iterator[str]:
 def pages(database_url: str, parser: argparse.ArgumentParser) -> dict[str, str]:
     """Every generated page: its path under ``docs/reference/`` -> its text (``parser``: the CLI's)."""
     with psycopg.connect(database_url, autocommit=True) as conn:
-        sql = sql_page(conn)
-    return {"configuration.md": configuration_page(), "cli.md": cli_page(parser), "metrics.md": metrics_page(),
-            "sql.md": sql}
+        return {"configuration.md": configuration_page(), "cli.md": cli_page(parser), "metrics.md": metrics_page(),
+                "sql.md": sql_page(conn)}
 
 
 def write(root: Path, database_url: str, parser: argparse.ArgumentParser) -> list[Path]:

@@ -115,10 +115,8 @@ class FileComputeLogManager(LocalComputeLogManager):
 
     @contextmanager
     def capture_logs(self, log_key: Sequence[str]) -> Iterator[CapturedLogContext]:
-        out = self.get_captured_local_path(log_key, IO_TYPE_EXTENSION[ComputeIOType.STDOUT])
-        err = self.get_captured_local_path(log_key, IO_TYPE_EXTENSION[ComputeIOType.STDERR])
-        ensure_file(out)
-        ensure_file(err)
+        out, err = (ensure_file(self.get_captured_local_path(log_key, IO_TYPE_EXTENSION[io]))
+                    for io in (ComputeIOType.STDOUT, ComputeIOType.STDERR))
         with redirect_to_file(sys.stdout, out), redirect_to_file(sys.stderr, err):
             yield CapturedLogContext(log_key)
         touch_file(self.complete_artifact_path(log_key))  # type: ignore[no-untyped-call]  # (the capture ended)

@@ -64,11 +64,9 @@ def command(port: int = DEFAULT_PORT, master: str = "local[*]", host: str = "127
     # SERVER_CORES_MAX unless conf says), no task retries; the package reaches its executors as a
     # session artifact of each run (engine.spark.ship_package: a JVM server ignores pyFiles)
     settings.update(cluster_conf(master, conf or {}, by_key_parallelism=[SERVER_CORES_MAX], ship_package=False))
-    args = [str(Path(spark_home()) / "bin" / "spark-submit"), "--class", SERVER_CLASS,
-            "--name", "pgstream spark connect", "--master", master]
-    for key, value in settings.items():
-        args += ["--conf", f"{key}={value}"]
-    return args
+    return [str(Path(spark_home()) / "bin" / "spark-submit"), "--class", SERVER_CLASS,
+            "--name", "pgstream spark connect", "--master", master,
+            *(arg for key, value in settings.items() for arg in ("--conf", f"{key}={value}"))]
 
 
 def environment(conf: dict[str, str] | None = None, master: str = "local[*]") -> dict[str, str]:
@@ -95,12 +93,9 @@ def descendants(pid: int) -> list[int]:
         with contextlib.suppress(OSError):  # (ended)
             ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
             children.setdefault(ppid, []).append(int(stat.parent.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
+    found = children.get(pid, [])
+    for parent in found:  # (the list grows while it is read: each child's children after the children)
+        found += children.get(parent, [])
     return found
 
 
