@@ -7,12 +7,13 @@ appears in run config or the UI; the database URL and the sink credentials stay 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import suppress
 
 import dagster as dg
 import psycopg
 from dagster_pyspark import LazyPySparkResource
 
-from ..config import PgstreamConfig, StreamConfig
+from ..config import ConfigError, PgstreamConfig, StreamConfig
 from ..engine import dbconn
 from ..engine.spark_source import register
 
@@ -37,9 +38,8 @@ class PgstreamResource:
         there = f"the streams of this code location: {id_ranges(s.id for s in self.config.streams) or 'none'}"
         if stream_id == 0:
             raise dg.Failure(f"stream_id: set the stream to {what} (the template's 0 is none); {there}")
-        for stream in self.config.streams:
-            if stream.id == stream_id:
-                return stream
+        with suppress(ConfigError):
+            return self.config.stream(stream_id)
         raise dg.Failure(f"stream_id {stream_id}: no such stream to {what}; {there}")
 
     @property
