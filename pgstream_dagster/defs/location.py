@@ -45,9 +45,10 @@ class StreamDeclaringComponent(dg.Component):
     """A component that declares one stream (``declaration``, in the file ``source``):
     :class:`pgstream_dagster.StreamComponent`. The location finds its streams by this type."""
 
-    declaration: StreamDeclaration
-    #: the defs.yaml declaring it (named in errors)
-    source: str
+    def __init__(self, declaration: StreamDeclaration, source: str = "<StreamComponent>") -> None:
+        self.declaration = declaration
+        #: the defs.yaml declaring it (named in errors)
+        self.source = source
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         """The stream's definitions (:func:`stream_definitions`); the shared ones are the location's."""
