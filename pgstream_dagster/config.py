@@ -505,10 +505,7 @@ def recording_stand_in(stream_id: int, reader: str) -> StreamConfig:
 
 def reader_groups(streams: Sequence[StreamConfig]) -> dict[str, list[StreamConfig]]:
     """The reader groups ``streams`` name (``streams[].reader``), by name in name order, each with its streams."""
-    groups: dict[str, list[StreamConfig]] = {}
-    for stream in streams:
-        groups.setdefault(stream.reader, []).append(stream)
-    return dict(sorted(groups.items()))
+    return {name: [s for s in streams if s.reader == name] for name in sorted({s.reader for s in streams})}
 
 
 def streams_fingerprint(streams: Sequence[StreamConfig]) -> str:
@@ -543,9 +540,9 @@ class PgstreamConfig(_Model):
         if dupes:
             raise ValueError(f"stream ids must be unique, duplicated: {dupes}")
         _check_cluster(self)
-        left_out = sorted((info.context or {}).get(LEFT_OUT, ()))
+        self._left_out = dict((info.context or {}).get(LEFT_OUT, {}))
         # a left-out stream's subscriptions stay: its events go on being written (and recorded)
-        _check_subscriptions(ids + left_out, self.subscriptions)
+        _check_subscriptions(ids + sorted(self._left_out), self.subscriptions)
         return self
 
     @property
@@ -591,7 +588,7 @@ def _location(loc: tuple[int | str, ...]) -> str:
 _M = TypeVar("_M", bound=BaseModel)
 
 
-#: the validation context key carrying the ids of the streams left out (:func:`_leave_out_invalid`)
+#: the validation context key carrying the streams left out (:func:`_leave_out_invalid`), by id: their problems
 LEFT_OUT = "left_out"
 
 
@@ -647,9 +644,7 @@ def parse_config(data: Any, source: str = "<config>", *, leave_out_invalid: bool
     if leave_out_invalid:
         kept, left_out = _leave_out_invalid(data, source)
         if left_out and kept:
-            config = _validated(PgstreamConfig, {**data, "streams": kept}, source, context={LEFT_OUT: set(left_out)})
-            config._left_out = left_out
-            return config
+            return _validated(PgstreamConfig, {**data, "streams": kept}, source, context={LEFT_OUT: left_out})
     return _validated(PgstreamConfig, data, source)
 
 
@@ -685,13 +680,11 @@ def with_streams(config: PgstreamConfig, declared: Sequence[StreamDeclaration], 
     one file: ids and slots unique. ``source`` names where the streams come from, for the error."""
     if not declared:
         return config
-    merged = _validated(PgstreamConfig, {
+    return _validated(PgstreamConfig, {
         **dict(config),
         "streams": [*config.streams, *(d.stream for d in declared)],
         "subscriptions": [*config.subscriptions, *(s for d in declared for s in d.subscriptions)],
-    }, source, context={LEFT_OUT: set(config.left_out)})
-    merged._left_out = config.left_out
-    return merged
+    }, source, context={LEFT_OUT: config.left_out})
 
 
 def _subscription_hint(data: dict[str, Any], loc: tuple[int | str, ...]) -> str:

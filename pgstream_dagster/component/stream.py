@@ -13,7 +13,7 @@ from typing import Any
 import dagster as dg
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..config import StreamDeclaration, parse_stream
+from ..config import parse_stream
 from ..defs.location import StreamDeclaringComponent
 
 
@@ -79,11 +79,6 @@ class StreamComponent(StreamDeclaringComponent):
     """A pgstream stream with its subscriptions: its sensor, deliveries and status assets, replay
     job, subscription assets and checks. Attributes: a stream of pgstream.yaml plus `subscriptions`
     (their `stream_id` is the stream's id)."""
-
-    def __init__(self, declaration: StreamDeclaration, source: str = "<StreamComponent>") -> None:
-        self.declaration = declaration
-        #: the defs.yaml declaring it (named in errors)
-        self.source = source
 
     def __repr__(self) -> str:  # never a secret
         return f"StreamComponent(stream {self.declaration.id}, {self.source})"

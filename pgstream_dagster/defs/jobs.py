@@ -8,7 +8,8 @@ hosts the open runs of a reader group's members. The ops hand the engine what on
 import json
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import dagster as dg
@@ -49,16 +50,22 @@ class DeliveryRunConfig(dg.Config):
     through_batch_id: int | None = None
 
 
-def _failure(exc: DeliveryError) -> dg.Failure:
-    metadata = {k: dg.MetadataValue.json(v) if isinstance(v, list | dict) else v for k, v in exc.metadata.items()}
-    return dg.Failure(str(exc), metadata=metadata)
-
-
-def _gone(stream_id: int, exc: psycopg.Error) -> Exception:
-    """The run's server went away or is read-only (a failover): the run fails in one line, and the stream retries
-    after its backoff (``retry``); any other database error as it is."""
-    line = server_gone(exc)
-    return exc if line is None else dg.Failure(f"stream {stream_id}: {line}; the stream retries after its backoff")
+@contextmanager
+def _failures(who: str, retried: str = "the stream retries after its backoff") -> Iterator[None]:
+    """The engine's errors as ``dg.Failure`` s (a delivery error with its metadata). The run's server went away or
+    is read-only (a failover): the run fails in one line naming ``who`` and how it is ``retried`` (a stream: after
+    its backoff, ``retry``); any other database error as it is."""
+    try:
+        yield
+    except locks.LeaseTaken as exc:
+        raise dg.Failure(str(exc)) from None
+    except DeliveryError as exc:
+        metadata = {k: dg.MetadataValue.json(v) if isinstance(v, list | dict) else v for k, v in exc.metadata.items()}
+        raise dg.Failure(str(exc), metadata=metadata) from None
+    except psycopg.Error as exc:
+        if (line := server_gone(exc)) is None:
+            raise
+        raise dg.Failure(f"{who}: {line}; {retried}") from None
 
 
 @dg.op(description="Take the stream's delivery lease and check the batches may run.")
@@ -66,14 +73,8 @@ def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
                  pgstream: dg.ResourceParam[PgstreamResource]) -> DeliveryRun:
     run = DeliveryRun(pgstream.stream(config.stream_id), pgstream.database_url, pgstream.executor_database_url,
                       context.run_id, config.batch_id, config.through_batch_id, context.run.tags.get(RUN_KEY_TAG))
-    try:
+    with _failures(f"stream {config.stream_id}"):
         return run.start(context.log)
-    except locks.LeaseTaken as exc:
-        raise dg.Failure(str(exc)) from None
-    except DeliveryError as exc:
-        raise _failure(exc) from None
-    except psycopg.Error as exc:
-        raise _gone(config.stream_id, exc) from None
 
 
 @dg.op(description="Publish the batches through the stream's sink, in order; each batch is marked delivered "
@@ -86,21 +87,17 @@ def deliver_batches(context: dg.OpExecutionContext, loaded: DeliveryRun, pyspark
             tag = stream_tag(stream_id, database_key(conn))
 
     def queued() -> str | None:
-        if context.instance.get_runs_count(dg.RunsFilter(tags={STREAM_TAG: tag},
-                                                         statuses=[dg.DagsterRunStatus.QUEUED])):
-            return "another run of the stream is queued"
-        return None
+        waiting = context.instance.get_runs_count(dg.RunsFilter(tags={STREAM_TAG: tag},
+                                                                statuses=[dg.DagsterRunStatus.QUEUED]))
+        return "another run of the stream is queued" if waiting else None
 
     host = Host(context.run_id, context.log, spark=lambda: pyspark.spark_session, stop_check=queued,
                 report=lambda summary: _report(context, loaded.stream, summary), control=f"the {CONTROL_JOB} job")
     rounds = loaded.deliver(host)
     try:
-        for _round in rounds:
-            pass
-    except DeliveryError as exc:
-        raise _failure(exc) from None
-    except psycopg.Error as exc:
-        raise _gone(stream_id, exc) from None
+        with _failures(f"stream {stream_id}"):
+            for _round in rounds:
+                pass
     except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
         # a shutdown (`make stop`, Ctrl-C: SIGINT) or a termination: the run ends, not fails; what it held waits
         # for the next run (no failover). A second signal waits until that is written (capture_interrupts).
@@ -286,19 +283,13 @@ def deliver_group(context: dg.OpExecutionContext, config: GroupDeliveryConfig,
                              max_run_secs=min(s.delivery.tuning.max_run_secs for s in streams),
                              run_grace_secs=min(s.delivery.run_grace_secs for s in streams), handoff=handoff)
     try:
-        reason = delivery.run()
-    except locks.LeaseTaken as exc:
-        raise dg.Failure(str(exc)) from None
+        with _failures(f"reader group {group}", "the group's sensor requests a fresh group run"):
+            reason = delivery.run()
     except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
         # a shutdown (`make stop`, Ctrl-C, the run worker's SIGTERM) or a termination: the group run ends, not
         # fails (its members' runs closed and its leases given up first: ``GroupDelivery.run``); what they held
         # waits for the next group run, and no member goes to failover
         reason = "interrupted (shutdown): its members' runs closed; what they held waits for the next group run"
-    except psycopg.Error as exc:
-        line = server_gone(exc)  # the server went away or is read-only (a failover): one line, the sensor retries
-        if line is None:
-            raise
-        raise dg.Failure(f"reader group {group}: {line}; the group's sensor requests a fresh group run") from None
     finally:
         reporter.close()
     retell(instance.get_run_by_id(run_id))

@@ -21,15 +21,6 @@ def _where(stream: StreamConfig) -> str:
     return str(getattr(sink, "table", None) or getattr(sink, "path", ""))
 
 
-def lake_table_spec(stream: StreamConfig) -> dg.AssetSpec:
-    return dg.AssetSpec(
-        key=lake_table_asset_key(stream.id), group_name="pgstream", deps=[deliveries_asset_key(stream.id)],
-        description=f"The {stream.sink.type} table stream {stream.id} delivers to ({_where(stream)}): one row per "
-                    f"event, written exactly once (commits keyed by the ledger position).",
-        metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "table": _where(stream)},
-        kinds={stream.sink.type})  # (the format: delta, iceberg, parquet)
-
-
 def lake_counts_check(stream: StreamConfig) -> dg.AssetChecksDefinition:
     key = lake_table_asset_key(stream.id)
 
@@ -87,4 +78,10 @@ def lake_definitions(stream: StreamConfig) -> tuple[list[dg.AssetSpec], list[dg.
     """The stream's lake table asset and its check (none unless its sink is a lake sink)."""
     if stream.sink.type not in LAKE_SINK_TYPES:
         return [], []
-    return [lake_table_spec(stream)], [lake_counts_check(stream)]
+    table = dg.AssetSpec(
+        key=lake_table_asset_key(stream.id), group_name="pgstream", deps=[deliveries_asset_key(stream.id)],
+        description=f"The {stream.sink.type} table stream {stream.id} delivers to ({_where(stream)}): one row per "
+                    f"event, written exactly once (commits keyed by the ledger position).",
+        metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "table": _where(stream)},
+        kinds={stream.sink.type})  # (the format: delta, iceberg, parquet)
+    return [table], [lake_counts_check(stream)]

@@ -45,9 +45,10 @@ class StreamDeclaringComponent(dg.Component):
     """A component that declares one stream (``declaration``, in the file ``source``):
     :class:`pgstream_dagster.StreamComponent`. The location finds its streams by this type."""
 
-    declaration: StreamDeclaration
-    #: the defs.yaml declaring it (named in errors)
-    source: str
+    def __init__(self, declaration: StreamDeclaration, source: str = "<StreamComponent>") -> None:
+        self.declaration = declaration
+        #: the defs.yaml declaring it (named in errors)
+        self.source = source
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         """The stream's definitions (:func:`stream_definitions`); the shared ones are the location's."""
@@ -55,9 +56,12 @@ class StreamDeclaringComponent(dg.Component):
                                   DeclaredIn(self.declaration.subscriptions, self.source, "defs.yaml"))
 
 
-def _deliveries_asset(stream: StreamConfig, deps: list[dg.AssetKey]) -> dg.AssetSpec:
-    return dg.AssetSpec(
-        key=deliveries_asset_key(stream.id), group_name="pgstream", kinds={"postgres", "spark"}, deps=deps,
+def stream_definitions(stream: StreamConfig, declared: DeclaredIn) -> dg.Definitions:
+    """Everything of one stream (``declared``: the file that declares it, with its subscriptions)."""
+    subs = declared.of_stream(stream.id)
+    deliveries = dg.AssetSpec(
+        key=deliveries_asset_key(stream.id), group_name="pgstream", kinds={"postgres", "spark"},
+        deps=list(stream_subscription_keys(stream.id, subs).values()),
         description=f"Events of stream {stream.id} delivered to its {stream.sink.type} sink; a run's first round "
                     f"is one materialization, its later rounds one at most every "
                     f"{stream.delivery.tuning.report_every_secs:g} s (delivery.tuning.report_every_secs) and one when "
@@ -65,12 +69,6 @@ def _deliveries_asset(stream: StreamConfig, deps: list[dg.AssetKey]) -> dg.Asset
         metadata={"stream_id": stream.id, "sink_type": stream.sink.type, "reader_group": stream.reader,
                   "batch_max_size": stream.batch.max_size, "ordering": stream.delivery.ordering,
                   "mode": stream.delivery.mode})
-
-
-def stream_definitions(stream: StreamConfig, declared: DeclaredIn) -> dg.Definitions:
-    """Everything of one stream (``declared``: the file that declares it, with its subscriptions)."""
-    subs = declared.of_stream(stream.id)
-    deliveries = _deliveries_asset(stream, list(stream_subscription_keys(stream.id, subs).values()))
     lake_assets, lake_checks = lake_definitions(stream)
     return dg.Definitions(
         assets=[deliveries, status_asset_spec(stream.id, deliveries.key),

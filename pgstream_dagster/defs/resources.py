@@ -7,12 +7,14 @@ appears in run config or the UI; the database URL and the sink credentials stay 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import suppress
+from itertools import groupby
 
 import dagster as dg
 import psycopg
 from dagster_pyspark import LazyPySparkResource
 
-from ..config import PgstreamConfig, StreamConfig
+from ..config import ConfigError, PgstreamConfig, StreamConfig
 from ..engine import dbconn
 from ..engine.spark_source import register
 
@@ -37,9 +39,8 @@ class PgstreamResource:
         there = f"the streams of this code location: {id_ranges(s.id for s in self.config.streams) or 'none'}"
         if stream_id == 0:
             raise dg.Failure(f"stream_id: set the stream to {what} (the template's 0 is none); {there}")
-        for stream in self.config.streams:
-            if stream.id == stream_id:
-                return stream
+        with suppress(ConfigError):
+            return self.config.stream(stream_id)
         raise dg.Failure(f"stream_id {stream_id}: no such stream to {what}; {there}")
 
     @property
@@ -73,10 +74,6 @@ class PgstreamSparkResource(LazyPySparkResource):
 
 def id_ranges(ids: Iterable[int]) -> str:
     """``1-3, 7, 9-12``: ``ids`` in order, consecutive ones as a range (a line at any number of streams)."""
-    spans: list[list[int]] = []
-    for i in sorted(set(ids)):
-        if spans and i == spans[-1][1] + 1:
-            spans[-1][1] = i
-        else:
-            spans.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    # (in a run of consecutive ids, id minus position is the same)
+    runs = [[i for _, i in run] for _, run in groupby(enumerate(sorted(set(ids))), lambda p: p[1] - p[0])]
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
