@@ -93,7 +93,7 @@ def descendants(pid: int) -> list[int]:
         with contextlib.suppress(OSError):  # (ended)
             ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
             children.setdefault(ppid, []).append(int(stat.parent.name))
-    found = children.get(pid, [])
+    found = list(children.get(pid, ()))
     for parent in found:  # (the list grows while it is read: each child's children after the children)
         found += children.get(parent, [])
     return found

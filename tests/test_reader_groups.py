@@ -417,8 +417,9 @@ def test_the_sensor_hands_a_group_run_over_to_its_successor_and_fails_one_that_d
         successor = run(DagsterEventType.RUN_ENQUEUED)
         request, said, _ = decide()
         assert request is None and said.startswith(f"group delivery run {successor.run_id} (queued) takes over from "
-                                                   f"{holder.run_id}: the instance's run queue allows 1 run per "
-                                                   f"{GROUP_TAG}"), said
+                                                   f"{holder.run_id}: the run queue allows 1 run at once per reader "
+                                                   f"group (run tag {GROUP_TAG}): a group delivery run's successor "
+                                                   f"cannot start beside it"), said
         assert said.endswith(f"set limit: 2 for key {GROUP_TAG} under run_coordinator.config.tag_concurrency_limits "
                              f"in dagster.yaml")
         assert status(holder) == (dg.DagsterRunStatus.STARTED, None)  # (queued: the run goes on)

@@ -4,11 +4,13 @@ a Postgres server, checked against the streams by :mod:`~..engine.limits`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import dagster as dg
 
-from ..engine.limits import DagsterStorage, TagRunLimit
+from ..config import StreamConfig
+from ..engine.limits import DagsterStorage, TagRunLimit, group_run_problem
 from ..instance import PooledPostgresStorage
 from .names import GROUP_TAG
 
@@ -39,10 +41,10 @@ def group_run_limit(instance: dg.DagsterInstance) -> TagRunLimit | None:
     return min(limits, key=lambda limit: (limit.per_value, limit.limit), default=None)
 
 
-def hand_over_blocked(instance: dg.DagsterInstance) -> bool:
-    """Whether the run queue lets no group delivery run's successor start beside it (a limit of 1)."""
-    limit = group_run_limit(instance)
-    return limit is not None and limit.limit < 2
+def hand_over_blocked(instance: dg.DagsterInstance, streams: Sequence[StreamConfig]) -> str | None:
+    """The line saying that the run queue lets no successor of the group delivery run of ``streams`` (one reader
+    group) start beside it, as preflight says it (:func:`~..engine.limits.group_run_problem`); ``None``: it lets one."""
+    return group_run_problem(group_run_limit(instance), streams, "dagster.yaml")
 
 
 def storage_connections(instance: dg.DagsterInstance, max_runs: int | None) -> DagsterStorage | None:

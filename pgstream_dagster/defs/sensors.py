@@ -400,6 +400,7 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
     fingerprint = streams_fingerprint(streams)
     grace = min(s.delivery.run_grace_secs for s in streams)
     max_run_secs = min(s.delivery.tuning.max_run_secs for s in streams)
+    blocked = hand_over_blocked(instance, streams)  # (the run queue's limit: no successor beside the run)
     # newest first: the lease's state once started, and whether it took it again after the database's absence
     live: list[tuple[dg.DagsterRun, locks.LeaseState | None, bool]] = []
     runs = _group_runs(instance, conn, group, limit=5)
@@ -440,11 +441,7 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         if holder is not None and run is not holder:  # its successor: it takes the lease once the holder has ended
             if STOP_TAG not in holder.tags:
                 _hand_over(instance, holder, run, lease, group, grace, log)
-            queued = ""
-            if run.status == dg.DagsterRunStatus.QUEUED and hand_over_blocked(instance):
-                queued = (f": the instance's run queue allows 1 run per {GROUP_TAG}, so it starts only once that "
-                          f"run has ended and every member pauses for it; set limit: 2 for key {GROUP_TAG} under "
-                          f"run_coordinator.config.tag_concurrency_limits in dagster.yaml")
+            queued = f": {blocked}" if run.status == dg.DagsterRunStatus.QUEUED and blocked else ""
             return None, f"group delivery run {run.run_id}{doing or f' ({run.status.value.lower()})'} takes over " \
                          f"from {holder.run_id}{queued}"
         if run is holder and STOP_TAG not in run.tags:
@@ -452,7 +449,8 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
             # earlier configuration, or one requested at max_run_secs)
             successor_ended = any(r.status not in LIVE and r.tags.get(CONFIG_TAG) == fingerprint
                                   for r in runs[:runs.index(run)])
-            due = _succession_due(conn, instance, group, run, fingerprint, max_run_secs, grace, successor_ended)
+            due = _succession_due(conn, group, run, fingerprint, max_run_secs, grace,
+                                  successor_ended or blocked is not None)
             if due is not None:
                 log.append(f"reader group {group}: group delivery run {run.run_id}: {due}")
                 return _requested(conn, group, fingerprint), f"{run.run_id}: {due}"
@@ -471,14 +469,14 @@ def group_delivery(conn: psycopg.Connection, instance: dg.DagsterInstance, group
         f"requested for stream(s) {members}" if wanted else "requested (its streams keep their runs open)")
 
 
-def _succession_due(conn: psycopg.Connection, instance: dg.DagsterInstance, group: str, run: dg.DagsterRun,
-                    fingerprint: str, max_run_secs: float, grace: float, successor_ended: bool) -> str | None:
+def _succession_due(conn: psycopg.Connection, group: str, run: dg.DagsterRun, fingerprint: str,
+                    max_run_secs: float, grace: float, no_hand_over: bool) -> str | None:
     """Why the run holding the group's lease gets its successor requested now (``None``: not now): its members'
-    configuration changed (unless the run queue allows one group run, or a successor requested for it has ended
-    without taking over: it is asked to end instead, :func:`_ask_to_end`), or it is
+    configuration changed (unless ``no_hand_over``: the run queue allows one group run, or a successor requested
+    for it has ended without taking over: it is asked to end instead, :func:`_ask_to_end`), or it is
     :func:`~..engine.delivery.group.handover_lead` from its ``max_run_secs``."""
     if run.tags.get(CONFIG_TAG) != fingerprint:
-        if successor_ended or hand_over_blocked(instance):
+        if no_hand_over:
             return None
         return (f"the configuration of its streams changed ({CONFIG_TAG} {run.tags.get(CONFIG_TAG) or 'none'}, the "
                 f"code location's {fingerprint}): its successor requested, it ends once that one waits")
