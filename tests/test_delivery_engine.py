@@ -6,6 +6,7 @@ Every test counts what the sink got: each event once, in commit order."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -119,6 +120,41 @@ def test_a_run_delivers_its_batches_in_order_marks_them_and_reports(db_url: str,
     with psycopg.connect(db_url) as c:
         (status,) = stream_status(c, STREAM)
     assert int(status["undelivered_events"]) == 0
+
+
+def test_the_members_of_a_group_run_report_at_phases_of_their_own_not_all_in_one_second(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten members started together, a round each every second, reports every 20 s (a group run's
+    ``report_every_secs``): each reports its first round at once, and its later ones at a phase of its own (its
+    stream id's), so the group's event-log writes are spread over the period instead of all in the same second of
+    it (100 members' reports at once held the group run's other threads for seconds: bench/RESULTS.md); none
+    reports again sooner than the period."""
+    import datetime as dt
+
+    from pgstream_dagster.engine.delivery import run as run_module
+    from pgstream_dagster.engine.delivery.run import Reports, RoundReport
+
+    clock = [1000.0]
+    monkeypatch.setattr(run_module, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    base = _stream(tmp_path, "postgresql://localhost/unused")
+    told: dict[int, list[float]] = {}
+    members = []
+    for stream_id in range(1, 11):
+        stream = base.model_copy(update={"id": stream_id})
+        host = Host(f"group/{stream_id}", Log(), report_every_secs=20,
+                    report=lambda summary: told.setdefault(summary.stream_id, []).append(clock[0] - 1000.0))
+        members.append((stream_id, Reports(host, stream)))
+    now = dt.datetime.now(dt.UTC)
+    for second in range(70):
+        clock[0] = 1000.0 + second
+        for stream_id, reports in members:
+            batch = state.Batch(second + 1, stream_id, "stream", 1, second + 1, second + 1, BatchStatus.DELIVERED, 1,
+                                "key", "i", None, None, None, now, now)
+            reports.add(RoundReport([batch], 1, clock[0], "Handed"))
+    assert all(times[0] == 0 for times in told.values()), told  # the first round at once
+    seconds = {times[1] for times in told.values()}
+    assert len(seconds) >= 8 and min(seconds) >= 20 and max(seconds) <= 40, told  # spread over the next period
+    assert all(b - a >= 20 for times in told.values() for a, b in itertools.pairwise(times)), told
 
 
 def test_an_open_run_handed_more_than_a_round_takes_the_rest_at_once_not_when_next_woken(db_url: str,
