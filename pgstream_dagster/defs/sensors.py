@@ -43,7 +43,7 @@ from ..engine.ledger import groups, locks
 from ..engine.ledger import state as ledger_state
 from ..engine.limits import LimitsExceeded
 from ..engine.replication import PublicationTaken, SlotCreationWaits
-from ..engine.status import last_batches, stream_status
+from ..engine.status import last_batches, phase, stream_status
 from .jobs import delivery_job, group_delivery_job
 from .limits import hand_over_blocked
 from .names import (
@@ -330,7 +330,7 @@ def _observe_status(conn: psycopg.Connection, instance: dg.DagsterInstance, stre
     if not due and cursor.get("status_seen") == seen:
         return None
     # a group's members each at their own phase of the period (not a hundred observations in one tick)
-    cursor["status_at"] = time.time() - every * ((stream.id * 0.618) % 1.0)
+    cursor["status_at"] = time.time() - every * phase(stream.id)
     cursor["status_seen"] = seen
     return status_observation({**row, "last_batches": last_batches(conn, stream.id, 5)}, run_state)
 

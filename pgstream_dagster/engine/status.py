@@ -13,6 +13,13 @@ from . import dbconn, replication
 from .batches import BatchStatus
 
 
+def phase(stream_id: int) -> float:
+    """Where in its period a stream's periodic report falls (0 to 1: its deliveries materializations, its status
+    observations): spread by the golden ratio, so the members of a reader group, started together, do not all
+    write to Dagster's event log in the same second of every period."""
+    return (stream_id * 0.618) % 1.0
+
+
 def _dicts(conn: psycopg.Connection, query: str, params: Any = None) -> list[dict[str, Any]]:
     return conn.cursor(row_factory=dict_row).execute(query, params).fetchall()
 

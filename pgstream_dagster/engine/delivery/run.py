@@ -18,7 +18,7 @@ import psycopg
 
 from ...config import StreamConfig
 from ...sinks import Sink, SinkError, build_sink
-from .. import dbconn, replication
+from .. import dbconn, replication, status
 from ..batches import CloseRun
 from ..collector import fewer_collections
 from ..handoff import Handoff
@@ -493,7 +493,7 @@ class Reports:
     def __init__(self, host: Host, stream: StreamConfig) -> None:
         self.host, self.stream = host, stream
         self.reported_at = -float("inf")
-        self.phase = (stream.id * 0.618) % 1.0  # (as the group's sensor phases its status observations)
+        self.phase = status.phase(stream.id)
         self._reset()
 
     def _reset(self) -> None:
