@@ -2081,11 +2081,23 @@ def test_the_sensors_tick_and_the_group_runs_reader_never_read_at_once(
 
 def test_a_tick_leaves_the_slot_to_a_group_run_whose_reader_starts_during_it(
         db_url: str, tmp_path: Path, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A group run that has started (one taking over from another, or back from an error) reads the group's slot
-    at the first slice boundary of a tick that found the reading free, not once the tick (``tick_budget_secs``, 8 s
-    here) has ended: with a group run started, the tick leaves the reading free between its slices long enough for
-    the run's reader, which tries every READ_RETRY_SECS. The sensor read once; every event arrives once, in order."""
+    """A group run that starts (one taking over from another, or back from an error) reads the group's slot at the
+    first slice boundary of a tick that found the reading free, not once the tick (``tick_budget_secs``, 8 s here)
+    has ended: with a group run started, the tick leaves the reading free between its slices long enough for the
+    run's reader, which tries every READ_RETRY_SECS; a run still starting when the tick began (its Dagster status
+    shows it started only once the tick reads, here) is looked at again after each slice. The sensor read once;
+    every event arrives once, in order."""
     readers = _readers_with_the_run_after_a_tick(monkeypatch)
+    handle_new_event = instance.handle_new_event
+
+    def started_once_the_tick_reads(event: Any, **kwargs: Any) -> None:
+        if event.is_dagster_event and event.get_dagster_event().event_type == dg.DagsterEventType.RUN_START:
+            deadline = time.monotonic() + 60
+            while readers.by("sensor") < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        handle_new_event(event, **kwargs)
+
+    monkeypatch.setattr(instance, "handle_new_event", started_once_the_tick_reads)
     ids = [1, 2]
     driver = _live_group(db_url, tmp_path, instance, ids, tick_budget_secs=8)
     for i in ids:

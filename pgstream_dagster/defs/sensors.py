@@ -669,9 +669,19 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
             # (its lock ends with its session), in slices of DECIDE_EVERY_SECS, deciding for the members after each:
             # what it recorded is handed on within a second. With a group run started, the tick leaves the reading
             # free for a moment between slices, so the run's reader (which tries every READ_RETRY_SECS) takes it over
-            # at the first one: a run that took over from another reads at once, not after this tick. (Without a
-            # live group run, its members all in mode per_batch: the whole budget.)
+            # at the first one: a run that took over from another reads at once, not after this tick. A run still
+            # starting is looked at again after each slice (it starts during the tick). (Without a live group run,
+            # its members all in mode per_batch: the whole budget.)
             started = any(r.status == dg.DagsterRunStatus.STARTED for r in runs)
+            starting = [r.run_id for r in runs if r.status in LIVE and r.status != dg.DagsterRunStatus.STARTED]
+
+            def has_started() -> bool:
+                nonlocal started
+                if not started and starting:
+                    started = any((run := context.instance.get_run_by_id(run_id)) is not None
+                                  and run.status == dg.DagsterRunStatus.STARTED for run_id in starting)
+                return started
+
             result, observed = GroupResult(), list[dg.AssetObservation]()
             own_runs: list[dg.RunRequest] = []  # the runs of members in mode per_batch (Dagster runs of their own)
             waits: dict[int, str | None] = {}  # what the runs of members in mode per_batch are doing
@@ -696,7 +706,7 @@ def group_sensor(group: str, streams: list[StreamConfig]) -> dg.SensorDefinition
                 decide()
                 if reading is not None or result.slot_lost or result.slot_busy or time.monotonic() >= deadline:
                     break
-                if started:  # (the run's reader takes the reading now, or the tick reads on)
+                if has_started():  # (the run's reader takes the reading now, or the tick reads on)
                     time.sleep(min(READ_RETRY_SECS + 0.05, max(0.0, deadline - time.monotonic())))
             notes_ = []
             request, delivery = group_delivery(conn, context.instance, group, streams, notes_, left_out)
