@@ -317,6 +317,38 @@ def test_a_member_without_an_entry_is_recorded_pending_whatever_open_run_key_it_
     assert statuses == {1: ["launched"], 2: ["pending"]}, statuses
 
 
+def test_a_recording_pass_sends_as_many_statements_for_four_streams_as_for_one(db_url: str, tmp_path: Path) -> None:
+    """A group's reader records every member that had a commit since its last pass (at 100 streams, a few each
+    pass) and hands the batches to their runs: the pass's statements (the declared readers under the rows' locks,
+    what the ledger holds already, the batches, the hand-over and the wake-ups) are one each whatever the number
+    of streams in it, not one each per stream. Every event is recorded once, each stream's batches in order and
+    handed to its own open run."""
+    streams = _streams(tmp_path, db_url, {"max_size": 2, "max_fill_secs": 0}, ids=(1, 2, 3, 4))
+    for stream in streams:
+        insert_events(db_url, stream.id, 3)
+    sent: dict[tuple[int, ...], int] = {}
+    with psycopg.connect(db_url, autocommit=True) as c:
+        ledgers = {}
+        for stream in streams:
+            ledger_state.open_run(c, stream.id, f"run-{stream.id}")
+            ledgers[stream.id] = recorder.StreamLedger(stream, ledger_state.SENSOR, run_key=f"run-{stream.id}")
+        txns = {s.id: source.PeekSource(c, slot_of(db_url, s.id), s.publication, 1000).read(0) for s in streams}
+        for ids in [(1,), (2, 3, 4)]:
+            trace = tmp_path / f"trace{len(ids)}.txt"
+            with trace.open("w") as out:
+                c.pgconn.trace(out.fileno())
+                assert recorder.record_pass(c, {i: ledgers[i] for i in ids}, {i: txns[i] for i in ids}) == set()
+                c.pgconn.untrace()
+            lines = trace.read_text().splitlines()
+            sent[ids] = sum(1 for line in lines if "\tF\t" in line and ("\tSync" in line or "\tQuery" in line))
+        for stream in streams:
+            batches = ledger_state.batches_between(c, stream.id, 0, 10**9)
+            assert [(b.event_count, b.run_key, b.status) for b in batches] == [
+                (2, f"run-{stream.id}", "launched"), (1, f"run-{stream.id}", "launched")], stream.id
+            assert _batches(db_url, stream.id) == [[0, 1], [2]]
+    assert sent[(1,)] == sent[(2, 3, 4)] and sent[(1,)] <= 10, sent
+
+
 def test_a_recording_pass_is_one_transaction_without_savepoints(db_url: str, tmp_path: Path) -> None:
     """The reader's recording pass (the batches, then the hand-over to the open run) is one database
     transaction: the ledger functions it calls take the caller's transaction, without a SAVEPOINT and
@@ -431,8 +463,8 @@ def test_the_ledger_lookups_of_every_event_read_a_few_pages_however_many_batches
         _batches_of(c, 1, "stream", 1, 1, "launched", "run-1")
         (head,) = ledger_state.batches_between(c, 1, 0, 10**9)
         lookups: dict[str, Callable[[psycopg.Connection], object]] = {
-            "last_end_lsn": lambda conn: recording.last_end_lsn(conn, 1),
-            "recovered_ids_since": lambda conn: recording.recovered_ids_since(conn, 1, 20_001 * 64),
+            "last_end_lsns": lambda conn: recording.last_end_lsns(conn, [1]),
+            "recovered_ids_since": lambda conn: recording.recovered_ids_since(conn, {1: 20_001 * 64}),
             "next_assigned": lambda conn: ledger_state.next_assigned(conn, 1, "run-1", 0),
             "run_batch_ids": lambda conn: ledger_state.run_batch_ids(conn, head),
         }
@@ -441,8 +473,8 @@ def test_the_ledger_lookups_of_every_event_read_a_few_pages_however_many_batches
         _batches_of(c, 1, "stream", 2, 10_000)
         _batches_of(c, 2, "stream", 10_001, 20_000)
         _batches_of(c, 1, "recovery", 20_001, 20_001)
-        assert recording.last_end_lsn(c, 1) == 10_000 * 64
-        assert recording.recovered_ids_since(c, 1, 20_001 * 64) == {20_001}
+        assert recording.last_end_lsns(c, [1, 2, 3]) == {1: 10_000 * 64, 2: 20_000 * 64}
+        assert recording.recovered_ids_since(c, {1: 20_001 * 64, 2: 0}) == {1: {20_001}}
         assert [b.id for b in ledger_state.next_assigned(c, 1, "run-1", 0).batches] == [head.id]
         assert ledger_state.run_batch_ids(c, head) == [head.id]
         read = {name: _blocks_read(c, call) for name, call in lookups.items()}

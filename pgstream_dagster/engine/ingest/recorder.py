@@ -87,54 +87,59 @@ class StreamLedger:
         self.unreadable += sum(len(t.unreadable) for t in fresh)
 
 
-def unrecorded(conn: psycopg.Connection, stream_id: int, txns: list[Transaction]) -> list[Transaction]:
-    """``txns`` without what the ledger has: those ending at or before the last one recorded from the slot,
-    and events a recovery recorded (by id: it may not have seen a transaction before its position)."""
-    recorded_to = recording.last_end_lsn(conn, stream_id)
-    if recorded_to is not None:
-        txns = [t for t in txns if t.end_lsn > recorded_to]
-    if txns:
-        seen = recording.recovered_ids_since(conn, stream_id, txns[0].commit_lsn)
-        if seen:
-            for t in txns:
+def unrecorded(conn: psycopg.Connection, by_stream: dict[int, list[Transaction]]) -> dict[int, list[Transaction]]:
+    """Each stream's transactions without what the ledger has: those ending at or before the last one recorded
+    from the slot, and events a recovery recorded (by id: it may not have seen a transaction before its position);
+    a stream left nothing: not in the result."""
+    recorded_to = recording.last_end_lsns(conn, list(by_stream))
+    kept = {sid: [t for t in txns if sid not in recorded_to or t.end_lsn > recorded_to[sid]]
+            for sid, txns in by_stream.items()}
+    kept = {sid: txns for sid, txns in kept.items() if txns}
+    if kept:
+        for sid, seen in recording.recovered_ids_since(conn, {sid: t[0].commit_lsn for sid, t in kept.items()}).items():
+            for t in kept[sid]:
                 t.events = [e for e in t.events if e.id not in seen]
-    return txns
+    return kept
 
 
 def record_pass(conn: psycopg.Connection, ledgers: dict[int, StreamLedger], by_stream: dict[int, list[Transaction]],
                 *, standby: str | None = None, give_up: Callable[[], bool] | None = None,
                 also: Callable[[psycopg.Connection], None] | None = None) -> set[int]:
     """Record each stream's transactions and hand them to its open run, in one transaction (``also`` last, unless a
-    stream was lost); the streams whose declared reader is no longer the loop's (nothing recorded, not confirmed)."""
-    lost: set[int] = set()
+    stream was lost), in a few statements whatever the number of streams; the streams whose declared reader is no
+    longer the loop's (nothing recorded, not confirmed)."""
     done: list[tuple[StreamLedger, list[int], list[Transaction]]] = []
     handed: list[tuple[Handoff, list[int]]] = []  # (dropped again if the transaction does not commit)
     try:
         with conn.transaction():
-            for stream_id, txns in by_stream.items():
-                target = ledgers[stream_id]
-                # the declared reader, under the stream row's lock (a joining member may have been handed over)
-                if state.slot_reader(conn, stream_id, lock=True) != target.reader:
-                    lost.add(stream_id)
-                    continue
-                # what the ledger holds already (read again: not confirmed yet) is recorded once
-                fresh = [t for t in unrecorded(conn, stream_id, txns) if t.events or t.unreadable]
-                if fresh:
-                    max_size = target.stream.batch.max_size
-                    ids = recording.record(conn, stream_id, fresh, max_size, standby=standby, give_up=give_up)
-                    done.append((target, ids, fresh))
-                    if target.handoff is not None:  # before the commit that wakes its run
-                        handed.append((target.handoff, target.handoff.put(stream_id, ids, fresh, max_size)))
-                if target.run_key is not None:
-                    state.extend_run(conn, stream_id, target.run_key, target.stream.delivery.max_events_per_run)
+            # the declared readers, under the stream rows' locks (a joining member may have been handed over)
+            locked = state.lock_streams(conn, list(by_stream))
+            lost = {sid for sid in by_stream
+                    if (locked[sid].slot_reader if sid in locked else state.SENSOR) != ledgers[sid].reader}
+            # what the ledger holds already (read again: not confirmed yet) is recorded once
+            fresh = {sid: kept for sid, txns in unrecorded(
+                        conn, {sid: txns for sid, txns in by_stream.items() if sid not in lost}).items()
+                     if (kept := [t for t in txns if t.events or t.unreadable])}
+            ids = recording.record_streams(conn, fresh, {sid: ledgers[sid].stream.batch.max_size for sid in fresh},
+                                           standby=standby, give_up=give_up)
+            for sid, txns in fresh.items():
+                target = ledgers[sid]
+                done.append((target, ids[sid], txns))
+                if target.handoff is not None:  # before the commit that wakes its run
+                    handed.append((target.handoff,
+                                   target.handoff.put(sid, ids[sid], txns, target.stream.batch.max_size)))
+            runs = {sid: (key, ledgers[sid].stream.delivery.max_events_per_run) for sid in by_stream
+                    if sid not in lost and (key := ledgers[sid].run_key) is not None}
+            if runs:
+                state.extend_runs(conn, runs, locked)
             if also is not None and not lost:
                 also(conn)
     except BaseException:
-        for handoff, ids in handed:
-            handoff.discard(ids)
+        for handoff, batch_ids in handed:
+            handoff.discard(batch_ids)
         raise
-    for target, ids, fresh in done:
-        target.counted(ids, fresh)
+    for target, batch_ids, txns in done:
+        target.counted(batch_ids, txns)
     return lost
 
 

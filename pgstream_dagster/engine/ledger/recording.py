@@ -22,41 +22,78 @@ def atomic(conn: psycopg.Connection) -> Iterator[None]:
         yield
 
 
-def last_end_lsn(conn: psycopg.Connection, stream_id: int) -> int | None:
-    """The end of the last transaction read from the slot and recorded, not a recovery's (which may have missed
-    one committed before its snapshot: that one's batch drops by id what recovery holds)."""
-    row = conn.execute("select b.end_lsn::text from pgstream.batches b where b.stream_id = %s and b.kind = 'stream' "
-                       "and b.end_lsn is not null order by b.end_lsn desc limit 1", [stream_id]).fetchone()
-    return replication.lsn_to_int(row[0]) if row and row[0] else None
+#: per stream of ``ids``: the end of its last batch read from the slot (a lookup of one index page each)
+_LAST_END = """
+select p.id, l.end_lsn::text from pg_catalog.unnest(%s::bigint[]) as p(id)
+cross join lateral (select b.end_lsn from pgstream.batches b
+                    where b.stream_id = p.id and b.kind = 'stream' and b.end_lsn is not null
+                    order by b.end_lsn desc limit 1) l"""
+
+
+def last_end_lsns(conn: psycopg.Connection, stream_ids: list[int]) -> dict[int, int]:
+    """Per stream (none: nothing recorded yet), the end of the last transaction read from the slot and recorded,
+    not a recovery's (which may have missed one committed before its snapshot: that one's batch drops by id what
+    recovery holds)."""
+    rows = conn.execute(_LAST_END, [stream_ids]).fetchall()
+    return {int(sid): replication.lsn_to_int(lsn) for sid, lsn in rows if lsn}
+
+
+#: in batches of one row each, the columns of :data:`_INSERT`
+_BATCH_ROWS = ("r.stream_id, r.event_ids::bigint[], r.event_count, r.first_id, r.last_id, r.min_created, "
+               "r.max_created, r.start_lsn::pg_lsn, r.end_lsn::pg_lsn, r.first_commit, r.last_commit")
+_INSERT = f"""
+insert into pgstream.batches
+    (stream_id, event_ids, event_count, first_event_id, last_event_id, min_created_at, max_created_at,
+     start_lsn, end_lsn, first_commit_at, last_commit_at, kind)
+select {_BATCH_ROWS}, %s from rows from (
+    pg_catalog.unnest(%s::bigint[]), pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::int[]),
+    pg_catalog.unnest(%s::bigint[]), pg_catalog.unnest(%s::bigint[]), pg_catalog.unnest(%s::timestamptz[]),
+    pg_catalog.unnest(%s::timestamptz[]), pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::text[]),
+    pg_catalog.unnest(%s::timestamptz[]), pg_catalog.unnest(%s::timestamptz[])) with ordinality
+  as r(stream_id, event_ids, event_count, first_id, last_id, min_created, max_created, start_lsn, end_lsn,
+       first_commit, last_commit, n)
+order by r.n
+returning id, stream_id"""  # noqa: S608  (a column list, no input)
 
 
 def record(conn: psycopg.Connection, stream_id: int, txns: list[Transaction], max_size: int,
            kind: str = "stream", standby: str | None = None, give_up: Callable[[], bool] | None = None) -> list[int]:
     """Record the events of ``txns`` (whole transactions, commit order) as batches of at most ``max_size``,
     unreadable ones as dead letters, in one transaction (before the slot is advanced) once visible."""
-    ids: list[int] = []
-    events = [e for t in txns for e in t.events]
-    wait_until_visible(conn, [t.xid for t in txns], standby, give_up)
-    txn_at = [t for t in txns for _e in t.events]  # the transaction of each position
-    with atomic(conn):
-        for start in range(0, len(events), max_size):
-            chunk = events[start:start + max_size]
+    return record_streams(conn, {stream_id: txns}, {stream_id: max_size}, kind, standby, give_up)[stream_id]
+
+
+def record_streams(conn: psycopg.Connection, txns: dict[int, list[Transaction]], max_size: dict[int, int],
+                   kind: str = "stream", standby: str | None = None,
+                   give_up: Callable[[], bool] | None = None) -> dict[int, list[int]]:
+    """:func:`record` for each stream of ``txns`` (stream id -> its transactions; ``max_size``: its batches'
+    size), in one statement whatever the number of streams; per stream, its batches' ids in order."""
+    columns: list[list[object]] = [[] for _ in range(11)]
+    wait_until_visible(conn, [t.xid for txs in txns.values() for t in txs], standby, give_up)
+    for stream_id, txs in txns.items():
+        events = [e for t in txs for e in t.events]
+        txn_at = [t for t in txs for _e in t.events]  # the transaction of each position
+        size = max_size[stream_id]
+        for start in range(0, len(events), size):
+            chunk = events[start:start + size]
             first_txn, last_txn = txn_at[start], txn_at[start + len(chunk) - 1]
             created = [e.created_at for e in chunk]
-            row = conn.execute(
-                """insert into pgstream.batches
-                   (stream_id, kind, event_ids, event_count, first_event_id, last_event_id, min_created_at,
-                    max_created_at, start_lsn, end_lsn, first_commit_at, last_commit_at)
-                   values (%s, %s, %s::bigint[], %s, %s, %s, %s, %s, %s::pg_lsn, %s::pg_lsn, %s, %s) returning id""",
-                # an array literal: psycopg dumps a list element by element (6 ms per 10,000 ids, this 0.8)
-                [stream_id, kind, "{" + ",".join([str(e.id) for e in chunk]) + "}", len(chunk), chunk[0].id,
-                 chunk[-1].id, min(created), max(created),
-                 replication.int_to_lsn(first_txn.commit_lsn), replication.int_to_lsn(last_txn.end_lsn),
-                 first_txn.commit_time, last_txn.commit_time],
-            ).fetchone()
-            assert row is not None
-            ids.append(int(row[0]))
-        record_unreadable(conn, stream_id, txns)
+            # an array literal: psycopg dumps a list element by element (6 ms per 10,000 ids, this 0.8)
+            for column, value in zip(columns, [
+                    stream_id, "{" + ",".join([str(e.id) for e in chunk]) + "}", len(chunk), chunk[0].id,
+                    chunk[-1].id, min(created), max(created), replication.int_to_lsn(first_txn.commit_lsn),
+                    replication.int_to_lsn(last_txn.end_lsn), first_txn.commit_time, last_txn.commit_time],
+                    strict=True):
+                column.append(value)
+    ids: dict[int, list[int]] = {stream_id: [] for stream_id in txns}
+    with atomic(conn):
+        if columns[0]:
+            # the ids come in the order of the rows (a stream's batches in order): the identity is taken above
+            # the ordered select
+            for batch_id, stream_id in sorted(conn.execute(_INSERT, [kind, *columns]).fetchall()):
+                ids[int(stream_id)].append(int(batch_id))
+        for stream_id, txs in txns.items():
+            record_unreadable(conn, stream_id, txs)
     return ids
 
 
@@ -126,14 +163,19 @@ def record_unreadable(conn: psycopg.Connection, stream_id: int, txns: list[Trans
     return added
 
 
-def recovered_ids_since(conn: psycopg.Connection, stream_id: int, lsn: int) -> set[int]:
-    """Event ids of recovery batches whose snapshot reaches past ``lsn`` (a slot transaction before it may be in)."""
+def recovered_ids_since(conn: psycopg.Connection, since: dict[int, int]) -> dict[int, set[int]]:
+    """Per stream of ``since`` (stream id -> a position), the event ids of its recovery batches whose snapshot
+    reaches past the position (a slot transaction before it may be in); none: not in the result."""
     rows = conn.execute(
-        "select unnest(event_ids) from pgstream.batches where stream_id = %s and kind = 'recovery' "
-        "and end_lsn >= %s::pg_lsn",
-        [stream_id, replication.int_to_lsn(lsn)],
-    ).fetchall()
-    return {int(r[0]) for r in rows}
+        # (pg_lsn[], not text: a cast in the condition would leave the index's end_lsn out of it)
+        "select p.id, r.event_id from rows from (pg_catalog.unnest(%s::bigint[]), pg_catalog.unnest(%s::pg_lsn[])) "
+        "as p(id, lsn) cross join lateral (select pg_catalog.unnest(b.event_ids) as event_id from pgstream.batches b "
+        "where b.stream_id = p.id and b.kind = 'recovery' and b.end_lsn >= p.lsn) r",
+        [list(since), [replication.int_to_lsn(lsn) for lsn in since.values()]]).fetchall()
+    seen: dict[int, set[int]] = {}
+    for stream_id, event_id in rows:
+        seen.setdefault(int(stream_id), set()).add(int(event_id))
+    return seen
 
 
 RECOVERY_ATTEMPTS = 5

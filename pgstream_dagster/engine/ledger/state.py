@@ -269,12 +269,29 @@ def clear_open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> No
 SENSOR = "sensor"
 
 
-def slot_reader(conn: psycopg.Connection, stream_id: int, *, lock: bool = False) -> str:
-    """Who reads the stream's slot now; ``lock`` (only inside a transaction): holding the stream row's lock
-    (``no key update``, as :func:`extend_run` takes it) until it ends: a reader records only while this is itself."""
-    row = conn.execute("select slot_reader from pgstream.streams where id = %s"  # noqa: S608 - constants
-                       + (" for no key update" if lock else ""), [stream_id]).fetchone()
+def slot_reader(conn: psycopg.Connection, stream_id: int) -> str:
+    """Who reads the stream's slot now."""
+    row = conn.execute("select slot_reader from pgstream.streams where id = %s", [stream_id]).fetchone()
     return str(row[0]) if row and row[0] is not None else SENSOR
+
+
+@dataclass(frozen=True)
+class Locked:
+    """A stream's row as read under its lock (:func:`lock_streams`)."""
+
+    slot_reader: str
+    open_run_key: str | None
+    paused: bool
+
+
+def lock_streams(conn: psycopg.Connection, stream_ids: list[int]) -> dict[int, Locked]:
+    """The rows of ``stream_ids`` (only inside a transaction), each held under its lock (``no key update``, taken
+    in id order) until the transaction ends: a reader records only while it is the stream's slot reader, and hands
+    batches only to the open run of a stream not paused. A stream without a row: not in the result."""
+    rows = conn.execute("select id, slot_reader, open_run_key, paused from pgstream.streams where id = any(%s) "
+                        "order by id for no key update", [sorted(stream_ids)]).fetchall()
+    return {int(sid): Locked(str(reader) if reader is not None else SENSOR, key, bool(paused))
+            for sid, reader, key, paused in rows}
 
 
 def release(conn: psycopg.Connection, stream_id: int, run_key: str, keep: int) -> None:
@@ -339,28 +356,65 @@ def launch(conn: psycopg.Connection, stream_id: int, batch_ids: tuple[int, ...] 
 def extend_run(conn: psycopg.Connection, stream_id: int, run_key: str, max_events: int) -> list[int]:
     """Assign the pending batches (up to ``max_events`` undelivered) to the open run ``run_key`` and wake it, under
     the stream row's lock: a run that closed (:func:`_close_run`), or of a paused stream, is handed none."""
+    return extend_runs(conn, {stream_id: (run_key, max_events)}).get(stream_id, [])
+
+
+#: each stream's open batches, in order (as many as a run could be handed)
+_OPEN_BATCHES = """
+select p.id, o.id, o.event_count, o.status, o.run_key from pg_catalog.unnest(%s::bigint[]) as p(id)
+cross join lateral (select id, event_count, status, run_key from pgstream.batches
+                    where stream_id = p.id and pgstream.batch_is_open(status) order by id limit 10000) o
+order by p.id, o.id"""
+
+#: pending -> launched, batches of several runs (each batch's run key), their hosts woken at commit
+_HAND = """
+with handed as (
+    update pgstream.batches b set status = %(launched)s, run_key = a.run_key, attempts = b.attempts + 1,
+           launched_at = pg_catalog.now(), next_attempt_at = null
+    from rows from (pg_catalog.unnest(%(ids)s::bigint[]), pg_catalog.unnest(%(keys)s::text[])) as a(id, run_key)
+    where b.id = a.id)
+select pg_catalog.pg_notify(w.channel, w.run_key)
+from rows from (pg_catalog.unnest(%(channels)s::text[]), pg_catalog.unnest(%(woken)s::text[])) as w(channel, run_key)"""
+
+
+def extend_runs(conn: psycopg.Connection, runs: dict[int, tuple[str, int]],
+                locked: dict[int, Locked] | None = None) -> dict[int, list[int]]:
+    """:func:`extend_run` for each stream of ``runs`` (stream id -> its open run's key and ``max_events``), in three
+    statements whatever the number of streams (two when ``locked`` holds the rows :func:`lock_streams` read in this
+    transaction); per stream handed any, the batches handed."""
     with atomic(conn):
-        row = conn.execute("select open_run_key, paused from pgstream.streams where id = %s for no key update",
-                           [stream_id]).fetchone()
-        if row is None or row[0] is None or row[0] != run_key or row[1]:
-            return []
-        rows = conn.execute(
-            """select id, event_count, status, run_key from pgstream.batches
-               where stream_id = %s and pgstream.batch_is_open(status)
-               order by id limit 10000""", [stream_id]).fetchall()
-        outstanding = 0
-        ids: list[int] = []
-        for batch_id, count, status, key in rows:
-            if status == BatchStatus.LAUNCHED and key == run_key and not ids:
-                outstanding += int(count)
-                continue
-            if status != BatchStatus.PENDING or (outstanding and outstanding + int(count) > max_events):
-                break
-            ids.append(int(batch_id))
-            outstanding += int(count)
-        if ids:
-            assign(conn, ids, run_key)
-            _wake_host(conn, stream_id, run_key)
+        if locked is None:
+            locked = lock_streams(conn, list(runs))
+        open_runs = {sid: run for sid, run in runs.items()
+                     if (row := locked.get(sid)) is not None and row.open_run_key == run[0] and not row.paused}
+        if not open_runs:
+            return {}
+        rows: dict[int, list[tuple[int, int, str, str | None]]] = {}
+        for sid, batch_id, count, status, key in conn.execute(_OPEN_BATCHES, [list(open_runs)]).fetchall():
+            rows.setdefault(int(sid), []).append((int(batch_id), int(count), status, key))
+        handed = {sid: ids for sid, batches in rows.items() if (ids := _to_hand(batches, *open_runs[sid]))}
+        if handed:
+            conn.execute(_HAND, {"launched": BatchStatus.LAUNCHED,
+                                 "ids": [i for ids in handed.values() for i in ids],
+                                 "keys": [open_runs[sid][0] for sid, ids in handed.items() for _ in ids],
+                                 "channels": [run_channel(sid) for sid in handed],
+                                 "woken": [open_runs[sid][0] for sid in handed]})
+    return handed
+
+
+def _to_hand(batches: list[tuple[int, int, str, str | None]], run_key: str, max_events: int) -> list[int]:
+    """Of a stream's open batches (id, events, status, run key), the pending ones its open run ``run_key`` is
+    handed: after the ones it holds, while its undelivered events stay within ``max_events`` (at least one)."""
+    outstanding = 0
+    ids: list[int] = []
+    for batch_id, count, status, key in batches:
+        if status == BatchStatus.LAUNCHED and key == run_key and not ids:
+            outstanding += count
+            continue
+        if status != BatchStatus.PENDING or (outstanding and outstanding + count > max_events):
+            break
+        ids.append(batch_id)
+        outstanding += count
     return ids
 
 
