@@ -386,9 +386,9 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
     polls: dict[str, int] = {}
     next_assigned = state.next_assigned
 
-    def counted(conn: psycopg.Connection, stream_id: int, run_key: str, after: int) -> state.Assigned:
+    def counted(conn: psycopg.Connection, stream_id: int, run_key: str, after: int, run_id: str) -> state.Assigned:
         polls[run_key] = polls.get(run_key, 0) + 1
-        return next_assigned(conn, stream_id, run_key, after)
+        return next_assigned(conn, stream_id, run_key, after, run_id)
 
     monkeypatch.setattr(state, "next_assigned", counted)
     ended: dict[int, str | None] = {}
@@ -412,7 +412,7 @@ def test_a_group_delivery_hosts_its_members_wakes_idle_ones_and_a_failing_member
             assert state.open_warm_run(c, i, f"warm-{i}")
         insert_events(db_url, failing, 5)
         # handed to its run: its sink refuses them
-        while not state.next_assigned(c, failing, f"warm-{failing}", 0).batches:
+        while not state.next_assigned(c, failing, f"warm-{failing}", 0, "").batches:
             ingest.consume_group(c, "hosted", streams, 0.05)
         thread = threading.Thread(target=lambda: outcome.append(delivery.run()), daemon=True)
         thread.start()

@@ -465,7 +465,7 @@ def test_the_ledger_lookups_of_every_event_read_a_few_pages_however_many_batches
         lookups: dict[str, Callable[[psycopg.Connection], object]] = {
             "last_end_lsns": lambda conn: recording.last_end_lsns(conn, [1]),
             "recovered_ids_since": lambda conn: recording.recovered_ids_since(conn, {1: 20_001 * 64}),
-            "next_assigned": lambda conn: ledger_state.next_assigned(conn, 1, "run-1", 0),
+            "next_assigned": lambda conn: ledger_state.next_assigned(conn, 1, "run-1", 0, ""),
             "run_batch_ids": lambda conn: ledger_state.run_batch_ids(conn, head),
         }
         for call in lookups.values():  # (the generic plans are made here, on one batch)
@@ -475,7 +475,7 @@ def test_the_ledger_lookups_of_every_event_read_a_few_pages_however_many_batches
         _batches_of(c, 1, "recovery", 20_001, 20_001)
         assert recording.last_end_lsns(c, [1, 2, 3]) == {1: 10_000 * 64, 2: 20_000 * 64}
         assert recording.recovered_ids_since(c, {1: 20_001 * 64, 2: 0}) == {1: {20_001}}
-        assert [b.id for b in ledger_state.next_assigned(c, 1, "run-1", 0).batches] == [head.id]
+        assert [b.id for b in ledger_state.next_assigned(c, 1, "run-1", 0, "").batches] == [head.id]
         assert ledger_state.run_batch_ids(c, head) == [head.id]
         read = {name: _blocks_read(c, call) for name, call in lookups.items()}
         # the status view's last recorded position is the later of either kind's

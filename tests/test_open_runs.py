@@ -553,8 +553,11 @@ def test_close_and_assign_are_ordered_by_the_stream_lock(db_url: str) -> None:
         assert not ledger_state.apply_run(c, CloseRun(STREAM, "run-a"))  # batches assigned and not delivered
         for b in (first, second):
             ledger_state.mark_delivered(c, b, "r")
-        assert ledger_state.next_assigned(c, STREAM, "run-a", first).batches == []
+        seen = ledger_state.next_assigned(c, STREAM, "run-a", first, "r")
+        assert seen.batches == [] and seen.close == ledger_state.lease_lost("r")  # (no run holds the lease)
         assert ledger_state.apply_run(c, CloseRun(STREAM, "run-a"))
+        assert ledger_state.next_assigned(c, STREAM, "run-a", first, "r").close == (
+            "the sensor hands it no more batches (failover or catch-up)")
         batch(3)
         assert ledger_state.extend_run(c, STREAM, "run-a", 1000) == []  # closed: never handed a batch again
 

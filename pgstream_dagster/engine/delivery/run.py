@@ -451,12 +451,13 @@ class OpenRun:
             look = wake is None or woken or now - polled_at >= WOKEN_POLL_SECS
             with self.ledger.connection() as conn:  # (one for this look: given back while the run waits)
                 batches: list[state.Batch] = []
-                replay = False
+                replay, close = False, None
                 if look:
                     polled_at = now
                     # a replay waits for the lease: take nothing more, deliver what was handed over, close
-                    seen = state.next_assigned(conn, self.stream.id, self.run_key, after)
-                    batches, replay, self.earlier_open = seen.batches, seen.replay_waiting, seen.earlier_open
+                    seen = state.next_assigned(conn, self.stream.id, self.run_key, after, self.host.run_id)
+                    batches, replay, self.earlier_open, close = (seen.batches, seen.replay_waiting,
+                                                                 seen.earlier_open, seen.close)
                 if batches:
                     return batches
                 now = time.monotonic()
@@ -469,8 +470,7 @@ class OpenRun:
                     reason = f"open for {max_run_secs:g}s (delivery.tuning.max_run_secs)"
                 elif look and (wake is not None or now - checked_at >= 1.0):
                     checked_at = now
-                    reason = (state.why_close(conn, self.stream.id, self.run_key, self.host.run_id)
-                              or self.host.stop_check())
+                    reason = close or self.host.stop_check()
                 if reason is not None:
                     if state.apply_run(conn, CloseRun(self.stream.id, self.run_key)):
                         if stays:

@@ -235,7 +235,7 @@ class SharedConnections:
     """The connections of the runs one process hosts (docs/architecture.md, "Connections"): every run's lease on
     one session named ``name`` (it ends with the process: how the sensor tells a dead run from a slow one), their
     ledger work on a pool, a connection at a time per run. A run whose lease session ended closes at its next look
-    (``state.why_close``) and publishes nothing once another run took its lease (``state.publishing``)."""
+    (``state.next_assigned``) and publishes nothing once another run took its lease (``state.publishing``)."""
 
     def __init__(self, database_url: str, name: str, size: int = POOL_SIZE) -> None:
         self.database_url, self.name, self.size = database_url, name, size

@@ -154,51 +154,52 @@ def run_batch_ids(conn: psycopg.Connection, head: Batch) -> list[int]:
 @dataclass(frozen=True)
 class Assigned:
     """What an open run sees (:func:`next_assigned`): the batches assigned to it after the one it loaded last, a
-    replay waiting for the lease (it takes no more), the oldest open batch before them (it must not overtake it)."""
+    replay waiting for the lease (it takes no more), the oldest open batch before them (it must not overtake it),
+    and why the run closes (None: it stays open): the sensor hands it no more batches, the stream is paused, or
+    its delivery lease is lost."""
 
     batches: list[Batch]
     replay_waiting: bool
     earlier_open: int | None
+    close: str | None
 
 
-def next_assigned(conn: psycopg.Connection, stream_id: int, run_key: str, after_batch_id: int) -> Assigned:
-    """:class:`Assigned` to run ``run_key`` since it loaded ``after_batch_id``, in one statement."""
+def next_assigned(conn: psycopg.Connection, stream_id: int, run_key: str, after_batch_id: int,
+                  run_id: str) -> Assigned:
+    """:class:`Assigned` to run ``run_key`` (of Dagster run ``run_id``) since it loaded ``after_batch_id``, in one
+    statement."""
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(
             f"""with mine as (select {_BATCH_COLUMNS} {_BATCH_FROM}
                               where b.stream_id = %(stream)s and pgstream.batch_is_open(b.status)
                                 and b.run_key = %(run)s and b.id > %(after)s and b.status = %(launched)s)
-                select m.*, r.replay, r.earlier
+                select m.*, r.replay, r.earlier, r.handed, r.paused_now, r.leased
                 from (select pgstream.lock_holder(%(replay)s, %(stream)s) is not null as replay,
                              (select min(e.id) from pgstream.batches e
                               where e.stream_id = %(stream)s and e.id < (select min(f.id) from mine f)
-                                and pgstream.batch_is_open(e.status)) as earlier) r
+                                and pgstream.batch_is_open(e.status)) as earlier,
+                             (select s.open_run_key is not distinct from %(run)s from pgstream.streams s
+                              where s.id = %(stream)s) as handed,
+                             (select s.paused from pgstream.streams s where s.id = %(stream)s) as paused_now,
+                             pgstream.lock_holder(%(delivery)s, %(stream)s) is not distinct from %(run_id)s
+                               as leased) r
                 left join mine m on true
                 order by m.id""",  # noqa: S608  (column lists, no input)
             {"run": run_key, "after": after_batch_id, "launched": BatchStatus.LAUNCHED, "replay": REPLAY_LOCK,
-             "stream": stream_id}).fetchall()
-    batches = [Batch(**{k: v for k, v in r.items() if k not in ("replay", "earlier")}) for r in rows
-               if r["id"] is not None]
-    return Assigned(batches, bool(rows[0]["replay"]), rows[0]["earlier"])  # (earlier: a bigint, or null)
+             "stream": stream_id, "delivery": DELIVERY_LOCK, "run_id": run_id}).fetchall()
+    outcome = ("replay", "earlier", "handed", "paused_now", "leased")
+    batches = [Batch(**{k: v for k, v in r.items() if k not in outcome}) for r in rows if r["id"] is not None]
+    first = rows[0]
+    close = ("the sensor hands it no more batches (failover or catch-up)" if not first["handed"]
+             else "the stream is paused" if first["paused_now"]
+             else None if first["leased"] else lease_lost(run_id))
+    return Assigned(batches, bool(first["replay"]), first["earlier"], close)  # (earlier: a bigint, or null)
 
 
 def run_is_open(conn: psycopg.Connection, stream_id: int, run_key: str) -> bool:
     row = conn.execute("select open_run_key = %s from pgstream.streams where id = %s",
                        [run_key, stream_id]).fetchone()
     return bool(row and row[0])
-
-
-def why_close(conn: psycopg.Connection, stream_id: int, run_key: str, run_id: str) -> str | None:
-    """Why the stream's open run ``run_key`` (of run ``run_id``) closes, in one statement (None: it stays open):
-    the sensor hands it no more batches, the stream is paused, or its delivery lease is lost."""
-    row = conn.execute("select s.open_run_key is not distinct from %s, s.paused, "
-                       "pgstream.lock_holder(%s, s.id) is not distinct from %s from pgstream.streams s where s.id = %s",
-                       [run_key, DELIVERY_LOCK, run_id, stream_id]).fetchone()
-    if row is None or not row[0]:
-        return "the sensor hands it no more batches (failover or catch-up)"
-    if row[1]:
-        return "the stream is paused"
-    return None if row[2] else lease_lost(run_id)
 
 
 def lease_lost(run_id: str) -> str:
@@ -220,7 +221,7 @@ def publishing(conn: psycopg.Connection, stream_id: int, run_id: str) -> Iterato
     """A publish call of run ``run_id``, in a transaction holding the stream row ``FOR KEY SHARE`` (a pause waits
     for it): paused, :class:`StreamPaused`; its lease taken by another run, :class:`LeaseLost`."""
     with conn.transaction():
-        # (the lease session's life is checked between rounds, :func:`why_close`; another run renames the row)
+        # (the lease session's life is checked between rounds, :func:`next_assigned`; another run renames the row)
         row = conn.execute("select s.paused, exists (select 1 from pgstream.locks l where l.name = %s "
                            "and l.key = s.id and l.holder = %s and l.pid is not null), "
                            "pg_catalog.set_config('synchronous_commit', 'off', true) "
