@@ -178,11 +178,10 @@ def next_assigned(conn: psycopg.Connection, stream_id: int, run_key: str, after_
                              (select min(e.id) from pgstream.batches e
                               where e.stream_id = %(stream)s and e.id < (select min(f.id) from mine f)
                                 and pgstream.batch_is_open(e.status)) as earlier,
-                             (select s.open_run_key is not distinct from %(run)s from pgstream.streams s
-                              where s.id = %(stream)s) as handed,
-                             (select s.paused from pgstream.streams s where s.id = %(stream)s) as paused_now,
+                             s.open_run_key is not distinct from %(run)s as handed, s.paused as paused_now,
                              pgstream.lock_holder(%(delivery)s, %(stream)s) is not distinct from %(run_id)s
-                               as leased) r
+                               as leased
+                      from (select 1) one left join pgstream.streams s on s.id = %(stream)s) r
                 left join mine m on true
                 order by m.id""",  # noqa: S608  (column lists, no input)
             {"run": run_key, "after": after_batch_id, "launched": BatchStatus.LAUNCHED, "replay": REPLAY_LOCK,
@@ -247,9 +246,26 @@ def listen_runs(conn: psycopg.Connection, stream_id: int) -> None:
 
 def assign(conn: psycopg.Connection, batch_ids: tuple[int, ...] | list[int], run_key: str) -> None:
     """pending or failed -> launched: the batches are the run ``run_key``'s (one more attempt each)."""
-    conn.execute("update pgstream.batches set status = %s, run_key = %s, attempts = attempts + 1, "
-                 "launched_at = now(), next_attempt_at = null where id = any(%s)",
-                 [BatchStatus.LAUNCHED, run_key, list(batch_ids)])
+    _assign(conn, {batch_id: run_key for batch_id in batch_ids}, {})
+
+
+#: pending or failed -> launched, batches of several runs (each batch's run key), the hosts of ``woken`` runs woken at
+#: commit
+_ASSIGN = """
+with assigned as (
+    update pgstream.batches b set status = %(launched)s, run_key = a.run_key, attempts = b.attempts + 1,
+           launched_at = pg_catalog.now(), next_attempt_at = null
+    from rows from (pg_catalog.unnest(%(ids)s::bigint[]), pg_catalog.unnest(%(keys)s::text[])) as a(id, run_key)
+    where b.id = a.id)
+select pg_catalog.pg_notify(w.channel, w.run_key)
+from rows from (pg_catalog.unnest(%(channels)s::text[]), pg_catalog.unnest(%(woken)s::text[])) as w(channel, run_key)"""
+
+
+def _assign(conn: psycopg.Connection, keys: dict[int, str], woken: dict[int, str]) -> None:
+    """:func:`assign` of each batch of ``keys`` (batch id -> run key) to its run, and the host of each run of
+    ``woken`` (stream id -> run key) woken at commit, in one statement."""
+    conn.execute(_ASSIGN, {"launched": BatchStatus.LAUNCHED, "ids": list(keys), "keys": list(keys.values()),
+                           "channels": [run_channel(sid) for sid in woken], "woken": list(woken.values())})
 
 
 def open_run(conn: psycopg.Connection, stream_id: int, run_key: str) -> None:
@@ -367,17 +383,6 @@ cross join lateral (select id, event_count, status, run_key from pgstream.batche
                     where stream_id = p.id and pgstream.batch_is_open(status) order by id limit 10000) o
 order by p.id, o.id"""
 
-#: pending -> launched, batches of several runs (each batch's run key), their hosts woken at commit
-_HAND = """
-with handed as (
-    update pgstream.batches b set status = %(launched)s, run_key = a.run_key, attempts = b.attempts + 1,
-           launched_at = pg_catalog.now(), next_attempt_at = null
-    from rows from (pg_catalog.unnest(%(ids)s::bigint[]), pg_catalog.unnest(%(keys)s::text[])) as a(id, run_key)
-    where b.id = a.id)
-select pg_catalog.pg_notify(w.channel, w.run_key)
-from rows from (pg_catalog.unnest(%(channels)s::text[]), pg_catalog.unnest(%(woken)s::text[])) as w(channel, run_key)"""
-
-
 def extend_runs(conn: psycopg.Connection, runs: dict[int, tuple[str, int]],
                 locked: dict[int, Locked] | None = None) -> dict[int, list[int]]:
     """:func:`extend_run` for each stream of ``runs`` (stream id -> its open run's key and ``max_events``), in three
@@ -395,11 +400,8 @@ def extend_runs(conn: psycopg.Connection, runs: dict[int, tuple[str, int]],
             rows.setdefault(int(sid), []).append((int(batch_id), int(count), status, key))
         handed = {sid: ids for sid, batches in rows.items() if (ids := _to_hand(batches, *open_runs[sid]))}
         if handed:
-            conn.execute(_HAND, {"launched": BatchStatus.LAUNCHED,
-                                 "ids": [i for ids in handed.values() for i in ids],
-                                 "keys": [open_runs[sid][0] for sid, ids in handed.items() for _ in ids],
-                                 "channels": [run_channel(sid) for sid in handed],
-                                 "woken": [open_runs[sid][0] for sid in handed]})
+            _assign(conn, {i: open_runs[sid][0] for sid, ids in handed.items() for i in ids},
+                    {sid: open_runs[sid][0] for sid in handed})
     return handed
 
 
