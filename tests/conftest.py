@@ -31,8 +31,8 @@ from .support.http_recorder import HttpRecorder, recording_server
 from .support.schema import USERS
 from .support.sinks import nats_admin, unique
 
-#: the slowest files, slowest first (each file's total of ``--durations=0`` in a full run): the two test processes
-#: of ``make test`` (``-n 2 --dist loadfile --no-loadscope-reorder``: a file per process at a time, in this order)
+#: the slowest files, slowest first (each file's total of ``--durations=0`` in a full run): the three test processes
+#: of ``make test`` (``-n 3 --dist loadfile --no-loadscope-reorder``: a file per process at a time, in this order)
 #: start with them, longest first, so they end together
 SLOWEST_FILES = ("test_failover.py", "test_spark_cluster.py", "test_code_location.py", "test_group_delivery.py",
                  "test_fault_integrity.py", "test_reader_groups.py", "test_open_runs.py",
