@@ -871,9 +871,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "`pgstream-dagster migrate` (or `init`) with the owner's URL first")
             elif isinstance(exc, psycopg.errors.InsufficientPrivilege) and "pgstream" in str(exc):
                 line += _privilege_advice(args, next((u for u in urls if u), None))
-        elif isinstance(exc, migrations.MigrationError | config.ConfigError | deadletters.DeadLetterError |
-                        backfill.BackfillError | sparkserver.SparkServerError | replication.PublicationTaken |
-                        bootstrap.InitError):
+        elif isinstance(exc, config.ConfigError):  # one line per problem (each names its file and key)
+            line = "\nerror: ".join(scrubbed_error(problem, *urls) for problem in str(exc).splitlines()
+                                    if problem.strip())
+        elif isinstance(exc, migrations.MigrationError | deadletters.DeadLetterError | backfill.BackfillError |
+                        sparkserver.SparkServerError | replication.PublicationTaken | bootstrap.InitError):
             line = scrubbed_error(exc, *urls)  # libpq echoes a connection string it cannot parse, the password too
         else:
             raise

@@ -490,9 +490,11 @@ subscriptions:
     from pgstream_dagster.cli import main
 
     assert main(["check", "--config", str(path)]) == 1  # what a CI runs: every problem, one line each
-    err = capsys.readouterr().err
-    assert "streams[1].sink.colour: unknown key" in err and "streams[1].sink.timeout_secs" in err
-    assert "secretpw" not in err
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith(f"error: {path}: streams[1].sink.") for line in err), err
+    assert any("streams[1].sink.colour: unknown key" in line for line in err)
+    assert any("streams[1].sink.timeout_secs: " in line for line in err)
+    assert "secretpw" not in "".join(err)
     defs = build_definitions(path)
     sensors = sorted(str(s.name) for s in defs.sensors or [])
     # the valid streams are read by their groups' sensors (stream 1 by the default group's), the entry left out
