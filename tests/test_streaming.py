@@ -291,6 +291,10 @@ def test_failed_batch_is_retried_and_never_overtaken(db_url: str, tmp_path: Path
     refused = driver.execute(sneaky)
     assert not refused.success
     assert "would overtake open batch 1" in str(refused.all_events)
+    # launched by hand without its batches (the Launchpad): refused before it starts, naming the key
+    with pytest.raises(dg.DagsterInvalidConfigError, match="batch_id"):
+        driver.execute(dg.RunRequest(run_key="by-hand", run_config={"ops": {"load_batches": {"config": {
+            "stream_id": 1}}}}, tags={}))
     driver.run_until(1, lambda: len(MemorySink.delivered("retry")) >= 15, timeout=120)
     assert [e.id for e in MemorySink.delivered("retry")] == event_ids(db_url, 1)
     with psycopg.connect(db_url) as c:

@@ -45,8 +45,10 @@ from .resources import PgstreamResource
 
 
 class DeliveryRunConfig(dg.Config):
+    """A run of a stream in mode per_batch: its batches ``batch_id`` .. ``through_batch_id`` (the sensor's request)."""
+
     stream_id: int
-    batch_id: int | None = None  # None: a warm run (opened with nothing to deliver), open for what commits
+    batch_id: int
     through_batch_id: int | None = None
 
 
