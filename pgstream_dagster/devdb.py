@@ -116,8 +116,12 @@ class LocalPostgres:
     def _run(self, args: list[str]) -> subprocess.CompletedProcess[str]:
         ids = _demote()
         extra: dict[str, Any] = {"user": ids[0], "group": ids[1], "extra_groups": []} if ids is not None else {}
-        return subprocess.run([str(_bin_dir() / args[0]), *args[1:]], check=True, capture_output=True, text=True,
-                              cwd="/", **extra)
+        try:
+            return subprocess.run([str(_bin_dir() / args[0]), *args[1:]], check=True, capture_output=True, text=True,
+                                  cwd="/", **extra)
+        except subprocess.CalledProcessError as exc:  # what the tool said, shown with the error
+            exc.add_note(f"{args[0]} said: {(exc.stderr or exc.stdout or '').strip()[-2000:] or 'nothing'}")
+            raise
 
     def init(self) -> None:
         if (self.datadir / "PG_VERSION").exists():
