@@ -74,7 +74,7 @@ def _failures(who: str, retried: str = "the stream retries after its backoff") -
 def load_batches(context: dg.OpExecutionContext, config: DeliveryRunConfig,
                  pgstream: dg.ResourceParam[PgstreamResource]) -> DeliveryRun:
     run = DeliveryRun(pgstream.stream(config.stream_id), pgstream.database_url, pgstream.executor_database_url,
-                      context.run_id, config.batch_id, config.through_batch_id, context.run.tags.get(RUN_KEY_TAG))
+                      context.run_id, config.batch_id, config.through_batch_id)
     with _failures(f"stream {config.stream_id}"):
         return run.start(context.log)
 
